@@ -1,0 +1,55 @@
+"""The Spark session with Delta Lake, as every part of cdc_apply uses it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cdc_apply.apply.jars import resolve_jars
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")
+
+# Defaults tuned for a small local machine; every key can be overridden from config.
+DEFAULT_SPARK_CONF: dict[str, str] = {
+    "spark.master": "local[*]",
+    "spark.app.name": "cdc_apply",
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.databricks.delta.properties.defaults.enableDeletionVectors": "true",
+    # Delta rebuilds snapshots with 50 partitions by default: far too many for small batches.
+    "spark.databricks.delta.snapshotPartitions": "2",
+    "spark.sql.shuffle.partitions": "2",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.driver.memory": "4g",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}",
+}
+
+
+def spark_conf(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    conf = {**DEFAULT_SPARK_CONF, **(overrides or {})}
+    jars = [str(p) for p in resolve_jars()]
+    extra = conf.get("spark.jars")
+    conf["spark.jars"] = ",".join(jars + ([extra] if extra else []))
+    return conf
+
+
+def build_spark_session(overrides: Mapping[str, str] | None = None) -> SparkSession:
+    """A Spark session with Delta configured from the cached jars, UTC, quiet logs.
+
+    ``overrides`` is the ``spark`` section of the config: any Spark conf, including ``spark.master``.
+    """
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder
+    for key, value in spark_conf(overrides).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark

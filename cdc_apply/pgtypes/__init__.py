@@ -1,0 +1,59 @@
+"""PostgreSQL type OID -> Spark type and value conversion, for built-ins and Type-message types.
+
+Usage: ``spark_type(oid, typmod)`` and ``converter(oid, binary)`` (or ``convert`` for one value).
+Types named only by a Type message (enums, domains, ...) are registered through ``TypeCache``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cdc_apply.pgtypes import datetime as _datetime  # noqa: F401 - registers its types
+from cdc_apply.pgtypes import network as _network  # noqa: F401
+from cdc_apply.pgtypes import numbers as _numbers  # noqa: F401
+from cdc_apply.pgtypes import text as _text  # noqa: F401
+from cdc_apply.pgtypes.arrays import array_type, register_array_types
+from cdc_apply.pgtypes.ranges import register_range_types
+from cdc_apply.pgtypes.registry import (
+    PgType, UnrepresentableValueError, ValueConversionError, lookup, registered,
+)
+from cdc_apply.pgtypes.text import custom_type
+
+register_range_types()
+register_array_types()
+
+
+class TypeCache:
+    """Built-in types plus the custom types this stream's Type messages named."""
+
+    def __init__(self) -> None:
+        self.custom: dict[int, PgType] = {}
+
+    def add(self, oid: int, namespace: str, name: str) -> PgType:
+        qualified = f"{namespace}.{name}" if namespace else name
+        if name.startswith("_"):  # PostgreSQL names an array type after its element with a '_'
+            pg_type = array_type(oid, custom_type(0, f"{namespace}.{name[1:]}"))
+        else:
+            pg_type = custom_type(oid, qualified)
+        self.custom[oid] = pg_type
+        return pg_type
+
+    def get(self, oid: int) -> PgType:
+        pg_type = self.custom.get(oid) or lookup(oid)
+        if pg_type is None:
+            # Built-ins we do not map and custom types without a Type message: their text form.
+            pg_type = custom_type(oid, f"oid {oid}")
+        return pg_type
+
+
+def converter(pg_type: PgType, binary: bool, typmod: int) -> Callable[[bytes], Any]:
+    if binary:
+        read_binary = pg_type.from_binary
+        return lambda raw: read_binary(raw, typmod)
+    read_text = pg_type.from_text
+    return lambda raw: read_text(raw.decode("utf-8"), typmod)
+
+
+__all__ = ["PgType", "TypeCache", "UnrepresentableValueError", "ValueConversionError", "converter", "lookup",
+           "registered"]

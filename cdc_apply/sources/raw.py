@@ -1,0 +1,13 @@
+"""The unit every source yields: one raw pgoutput message with its LSN and xid."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RawMessage:
+    lsn: int
+    xid: int | None
+    data: bytes
+    source: str | None = None  # "file.jsonl:LINE" or similar, for error messages
