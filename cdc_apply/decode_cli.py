@@ -1,0 +1,39 @@
+"""`cdc-apply decode`: capture files -> one JSON object per message, or per change row."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TextIO
+
+from cdc_apply.assemble import Assembler
+from cdc_apply.changes import change_rows
+from cdc_apply.errors import DecodeError
+from cdc_apply.lsn import format_lsn
+from cdc_apply.pgoutput.decoder import PgOutputDecoder
+from cdc_apply.render import change_row_json, message_json
+from cdc_apply.sources.capture import read_captures
+
+
+def _dump(obj: object, out: TextIO) -> None:
+    out.write(json.dumps(obj, ensure_ascii=False, default=str) + "\n")
+
+
+def run_decode(paths: Sequence[str], *, changes: bool, out: TextIO) -> int:
+    if changes:
+        assembler = Assembler()
+        try:
+            for segment in change_rows(assembler.transactions(read_captures(paths))):
+                for row in segment.rows:
+                    _dump(change_row_json(segment, row), out)
+        finally:
+            assembler.close()
+        return 0
+    decoder = PgOutputDecoder()
+    for raw in read_captures(paths):
+        try:
+            message = decoder.decode(raw.data)
+        except DecodeError as exc:
+            raise exc.located(lsn=format_lsn(raw.lsn), source=raw.source) from None
+        _dump(message_json(message, raw.lsn), out)
+    return 0

@@ -1,0 +1,91 @@
+"""The SQL interface to a pgoutput slot: create it, peek or get its changes, advance it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+
+from cdc_apply.lsn import format_lsn, parse_lsn
+from cdc_apply.sources.raw import RawMessage
+
+
+def quote_publication_names(names: Sequence[str]) -> str:
+    """publication_names is parsed as an identifier list: quote each name the way SQL does."""
+    return ",".join('"' + name.replace('"', '""') + '"' for name in names)
+
+
+@dataclass(frozen=True)
+class PgOutputOptions:
+    publications: tuple[str, ...]
+    proto_version: int = 1
+    binary: bool = False
+    messages: bool = True
+    streaming: str | None = None  # None, "on", "off" or "parallel" (protocol 4)
+    two_phase: bool = False  # a slot property for the SQL interface; an option for the walsender
+    origin: str | None = None  # "any" or "none" (PostgreSQL 16+)
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def as_pairs(self, for_walsender: bool = False) -> list[tuple[str, str]]:
+        pairs = [("proto_version", str(self.proto_version)),
+                 ("publication_names", quote_publication_names(self.publications)),
+                 ("binary", str(self.binary).lower()),
+                 ("messages", str(self.messages).lower())]
+        if self.streaming is not None:
+            pairs.append(("streaming", self.streaming))
+        if self.two_phase and for_walsender:
+            pairs.append(("two_phase", "true"))
+        if self.origin is not None:
+            pairs.append(("origin", self.origin))
+        pairs.extend(self.extra.items())
+        return pairs
+
+
+def create_slot(conn: psycopg.Connection, slot: str, *, two_phase: bool = False, temporary: bool = False) -> int:
+    """Create a pgoutput slot; returns its consistent point LSN."""
+    row = conn.execute(
+        "SELECT lsn FROM pg_create_logical_replication_slot(%s, 'pgoutput', %s, %s)",
+        (slot, temporary, two_phase),
+    ).fetchone()
+    assert row is not None
+    return parse_lsn(row[0])
+
+
+def _changes_query(function: str, options: PgOutputOptions) -> tuple[sql.Composed, list[object]]:
+    params: list[object] = []
+    option_sql = []
+    for key, value in options.as_pairs():
+        option_sql.append(sql.SQL("%s, %s"))
+        params += [key, value]
+    query = sql.SQL("SELECT lsn::text, xid::text::bigint, data FROM {}(%s, %s, %s{}{})").format(
+        sql.Identifier(function),
+        sql.SQL(", ") if option_sql else sql.SQL(""),
+        sql.SQL(", ").join(option_sql),
+    )
+    return query, params
+
+
+def read_changes(conn: psycopg.Connection, slot: str, options: PgOutputOptions, *, consume: bool = False,
+                 upto_lsn: int | None = None, upto_nchanges: int | None = None) -> Iterator[RawMessage]:
+    """Rows of pg_logical_slot_{peek,get}_binary_changes as RawMessages."""
+    function = "pg_logical_slot_get_binary_changes" if consume else "pg_logical_slot_peek_binary_changes"
+    query, params = _changes_query(function, options)
+    args = [slot, None if upto_lsn is None else format_lsn(upto_lsn), upto_nchanges, *params]
+    with conn.cursor(binary=False) as cur:
+        cur.execute(query, args)
+        for lsn_text, xid, data in cur:
+            yield RawMessage(parse_lsn(lsn_text), xid, bytes(data), f"slot {slot}")
+
+
+def advance_slot(conn: psycopg.Connection, slot: str, lsn: int) -> None:
+    conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, format_lsn(lsn)))
+
+
+def drop_slot(conn: psycopg.Connection, slot: str) -> None:
+    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+
+
+def server_version_num(conn: psycopg.Connection) -> int:
+    return int(conn.info.server_version)
