@@ -15,7 +15,7 @@ def _as_text(value: Any) -> str | None:
     if value is None:
         return None
     if isinstance(value, bool):
-        return "t" if value else "f"
+        return "true" if value else "false"
     return str(value)
 
 

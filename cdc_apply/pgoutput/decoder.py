@@ -48,9 +48,12 @@ def read_tuple(r: Reader) -> m.TupleData:
                 raise r.fail(f"truncated: TupleData column {i} length")
             (length,) = _VALUE_LENGTH.unpack_from(data, pos)
             pos += 4
-            if length < 0 or pos + length > end:
+            if length < 0:
                 r.pos = pos - 4
-                raise r.fail(f"TupleData column {i} length {length} exceeds the {end - pos} bytes left")
+                raise r.fail(f"TupleData column {i} has negative length {length}")
+            if pos + length > end:
+                r.pos = pos - 4
+                raise r.fail(f"truncated: TupleData column {i} length {length} exceeds the {end - pos} bytes left")
             values[i] = data[pos:pos + length]
             pos += length
         elif kind not in _NO_DATA_KINDS:

@@ -29,7 +29,7 @@ INTERVAL_NEG_INFINITY = {"months": -(2**31), "days": -(2**31), "microseconds": -
 def days_from_civil(year: int, month: int, day: int) -> int:
     """Proleptic Gregorian date (astronomical year) -> days since 1970-01-01 (H. Hinnant's algorithm)."""
     year -= month <= 2
-    era = (year if year >= 0 else year - 399) // 400
+    era = year // 400  # Python's // floors, so no negative-year correction is needed
     yoe = year - era * 400
     doy = (153 * (month + (-3 if month > 2 else 9)) + 2) // 5 + day - 1
     doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
@@ -38,7 +38,7 @@ def days_from_civil(year: int, month: int, day: int) -> int:
 
 def civil_from_days(days: int) -> tuple[int, int, int]:
     days += 719_468
-    era = (days if days >= 0 else days - 146_096) // 146_097
+    era = days // 146_097
     doe = days - era * 146_097
     yoe = (doe - doe // 1460 + doe // 36_524 - doe // 146_096) // 365
     doy = doe - (365 * yoe + yoe // 4 - yoe // 100)

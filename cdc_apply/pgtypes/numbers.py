@@ -41,6 +41,14 @@ def _float_text(text: str, typmod: int) -> float:
     return float(text)  # Python reads NaN, Infinity, -Infinity and -0 as PostgreSQL prints them
 
 
+_FLOAT4 = struct.Struct("!f")
+
+
+def _float4_text(text: str, typmod: int) -> float:
+    """Rounded to single precision, the value a float4 column (and Spark's FloatType) holds."""
+    return _FLOAT4.unpack(_FLOAT4.pack(float(text)))[0]
+
+
 def _float_json(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
@@ -51,7 +59,7 @@ register(PgType(23, "int4", fixed("int"), _int_text, _struct_reader("!i", "int4"
 register(PgType(20, "int8", fixed("bigint"), _int_text, _struct_reader("!q", "int8"), array_oid=1016))
 register(PgType(26, "oid", fixed("bigint"), _int_text, _struct_reader("!I", "oid"), array_oid=1028))
 register(PgType(28, "xid", fixed("bigint"), _int_text, _struct_reader("!I", "xid"), array_oid=1011))
-register(PgType(700, "float4", fixed("float"), _float_text, _struct_reader("!f", "float4"), _float_json,
+register(PgType(700, "float4", fixed("float"), _float4_text, _struct_reader("!f", "float4"), _float_json,
                 array_oid=1021))
 register(PgType(701, "float8", fixed("double"), _float_text, _struct_reader("!d", "float8"), _float_json,
                 array_oid=1022))
