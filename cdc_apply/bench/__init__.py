@@ -1,0 +1,14 @@
+"""`cdc-apply bench NAME`: benchmarks that report ratios measured side by side in one run."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def run_bench(name: str, args: argparse.Namespace) -> int:
+    if name == "decode":
+        from cdc_apply.bench.decode import bench_decode
+
+        bench_decode(messages=args.messages, binary=args.binary)
+        return 0
+    raise ValueError(f"unknown benchmark {name}")

@@ -1,0 +1,58 @@
+"""The harness is real: a throwaway PostgreSQL with logical decoding, and Spark with Delta."""
+
+from __future__ import annotations
+
+import psycopg
+
+from cdc_apply.pgoutput import messages as m
+from cdc_apply.pgoutput.decoder import PgOutputDecoder
+from cdc_apply.pgserver import PgServer
+from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
+
+
+def test_server_is_configured_for_logical_decoding(any_db) -> None:  # type: ignore[no-untyped-def]
+    server, dbname = any_db
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        settings = dict(conn.execute(
+            "SELECT name, setting FROM pg_settings WHERE name IN "
+            "('wal_level', 'max_prepared_transactions', 'max_replication_slots', 'TimeZone')").fetchall())
+        assert settings["wal_level"] == "logical" and int(settings["max_prepared_transactions"]) > 0
+        assert int(settings["max_replication_slots"]) >= 10 and settings["TimeZone"] == "UTC"
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        conn.execute("CREATE PUBLICATION p FOR TABLE t")
+        create_slot(conn, "harness")
+        conn.execute("INSERT INTO t VALUES (1, 'hello')")
+        raws = list(read_changes(conn, "harness", PgOutputOptions(("p",))))
+    decoder = PgOutputDecoder()
+    inserts = [msg for msg in map(decoder.decode, (r.data for r in raws)) if isinstance(msg, m.Insert)]
+    assert [i.new.values for i in inserts] == [(b"1", b"hello")]
+
+
+def test_server_is_stopped_and_removed_even_after_a_failure() -> None:
+    server = PgServer()
+    try:
+        with server:
+            root = server.root
+            assert root is not None and (root / "data" / "postmaster.pid").exists()
+            raise RuntimeError("a failing test")
+    except RuntimeError:
+        pass
+    assert server.root is None and not root.exists()
+
+
+def test_delta_merge_round_trip(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from delta.tables import DeltaTable
+
+    path = str(tmp_path / "t")
+    spark.createDataFrame([(1, "a"), (2, "b")], "id int, v string").write.format("delta").save(path)
+    target = DeltaTable.forPath(spark, path)
+    source = spark.createDataFrame([(2, "B"), (3, "c")], "id int, v string")
+    (target.alias("t").merge(source.alias("s"), "t.id = s.id")
+     .whenMatchedUpdateAll().whenNotMatchedInsertAll().execute())
+    rows = sorted(tuple(r) for r in spark.read.format("delta").load(path).collect())
+    assert rows == [(1, "a"), (2, "B"), (3, "c")]
+    operations = [r.operation for r in target.history().collect()]
+    assert operations[0] == "MERGE" and "WRITE" in operations
+    properties = {r.key: r.value for r in spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()}
+    assert properties.get("delta.enableDeletionVectors") == "true"
+    assert spark.conf.get("spark.sql.session.timeZone") == "UTC"
