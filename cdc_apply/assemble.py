@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from cdc_apply.errors import AssemblyError, CdcApplyError, DecodeError
+from cdc_apply.errors import AssemblyError, DecodeError
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import PgOutputDecoder
@@ -439,4 +439,4 @@ def assemble(raws: Iterable[RawMessage], **options: object) -> Iterator[Transact
         assembler.close()
 
 
-__all__ = ["Assembler", "Change", "Transaction", "NonTransactionalMessage", "assemble", "CdcApplyError"]
+__all__ = ["Assembler", "Change", "Transaction", "NonTransactionalMessage", "assemble"]

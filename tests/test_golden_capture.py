@@ -6,6 +6,7 @@ reproduce the PostgreSQL tables value by value.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import psycopg
@@ -37,7 +38,7 @@ def _capture(server, dbname):  # type: ignore[no-untyped-def]
     captures = {}
     for variant in found:
         for binary in (False, True):
-            options = variant.options.__class__(**{**variant.options.__dict__, "binary": binary})
+            options = dataclasses.replace(variant.options, binary=binary)
             captures[(variant.name, binary)] = peek(server, dbname, variant.slot, options,
                                                     immediate_streaming=variant.immediate_streaming)
     with psycopg.connect(server.conninfo(dbname)) as conn:
