@@ -1,0 +1,211 @@
+"""A batch of committed transactions -> per table: schema evolution, collapse, one MERGE.
+
+Invariants:
+- Tables are applied one after another; each table's data lands in one Delta commit (plus one
+  commit per schema action before it). The caller confirms the slot only after ``apply`` returns.
+- Exactly once: a table's commits carry ``txnAppId = <pipeline>/<relation oid>`` and
+  ``txnVersion = the batch's last commit LSN``. Rows at or below the version a target already
+  holds are dropped before collapse, so a replayed or re-split batch changes nothing twice.
+- Schema changes are judged against the state stored in the target (``cdc_apply.source``), and
+  only for Relation definitions newer than the one that state was made from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cdc_apply.apply.collapse import Collapser
+from cdc_apply.apply.evolve import apply_actions
+from cdc_apply.apply.merge import merge_collapsed
+from cdc_apply.apply.options import METADATA_PREFIX, ApplyOptions, TableOptions
+from cdc_apply.apply.schema import RenameTargetColumn, describe, diff, initial_columns, plan, relation_columns
+from cdc_apply.apply.targets import SourceState, Target, TargetRegistry, metadata_columns
+from cdc_apply.assemble import Transaction
+from cdc_apply.changes import ChangeRowBuilder, TableChanges
+from cdc_apply.errors import CdcApplyError
+from cdc_apply.lsn import format_lsn
+from cdc_apply.pgoutput import messages as m
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+
+class TableConfigError(CdcApplyError):
+    """A table the apply cannot serve as configured (no usable key, unknown key column)."""
+
+
+@dataclass
+class TableResult:
+    table: str
+    location: str
+    ops: Counter[str] = field(default_factory=Counter)
+    keys_written: int = 0
+    first_lsn: int | None = None
+    last_lsn: int | None = None
+    schema_changes: list[str] = field(default_factory=list)
+    skipped: bool = False  # already applied (exactly once)
+    seconds: float = 0.0
+
+
+@dataclass
+class BatchResult:
+    transactions: int
+    first_lsn: int | None
+    last_lsn: int | None
+    tables: list[TableResult]
+    seconds: float
+
+    @property
+    def changes(self) -> int:
+        return sum(sum(t.ops.values()) for t in self.tables if not t.skipped)
+
+
+class BatchApplier:
+    """Applies batches of committed transactions to Delta targets. One per pipeline run."""
+
+    def __init__(self, spark: SparkSession, options: ApplyOptions, rows: ChangeRowBuilder | None = None) -> None:
+        self.spark = spark
+        self.options = options
+        self.rows = rows or ChangeRowBuilder()
+        self.registry = TargetRegistry(options.warehouse)
+
+    def apply(self, transactions: Iterable[Transaction]) -> BatchResult:
+        started = time.perf_counter()
+        transactions = list(transactions)
+        if not transactions:
+            return BatchResult(0, None, None, [], 0.0)
+        version = transactions[-1].commit_lsn
+        by_table: dict[int, list[TableChanges]] = {}
+        for segment in self.rows.build(transactions):
+            by_table.setdefault(segment.relation.oid, []).append(segment)
+        results = [self.apply_table(oid, segments, version) for oid, segments in by_table.items()]
+        return BatchResult(len(transactions), transactions[0].commit_lsn, version,
+                           [r for r in results if r is not None], time.perf_counter() - started)
+
+    def target(self, relation: m.Relation, options: TableOptions) -> tuple[Target, bool]:
+        entry = self.registry.get(relation.oid)
+        if entry is None:
+            by_name = options.name is not None
+            location = options.name or self.registry.default_location(relation.namespace, relation.name)
+            return Target(self.spark, location, by_name), False
+        return Target(self.spark, entry["location"], entry["by_name"]), True
+
+    def apply_table(self, oid: int, segments: list[TableChanges], version: int) -> TableResult | None:
+        started = time.perf_counter()
+        relation = segments[0].relation
+        qualified = f"{relation.namespace}.{relation.name}"
+        options = self.options.for_table(relation.namespace, relation.name)
+        if not options.include:
+            return None
+        target, registered = self.target(relation, options)
+        result = TableResult(qualified, target.location)
+        app_id = f"{self.options.pipeline}/{oid}"
+        done = target.committed_version(app_id) if registered and target.exists() else None
+        if done is not None and done >= version:
+            result.skipped = True
+            return result
+        state: SourceState | None = target.source_state() if registered and target.exists() else None
+        collapser: Collapser | None = None
+        for segment in segments:
+            rows = segment.rows if done is None else [r for r in segment.rows if r["commit_lsn"] > done]
+            if not rows:
+                continue
+            position = (rows[0]["commit_lsn"], rows[0]["seq"])
+            if state is None:
+                state = self._create(target, segment.relation, options, position)
+                self.registry.add(oid, target.location, target.by_name, relation.namespace, relation.name)
+            else:
+                state = self._evolve(target, state, segment, options, position, result)
+            if collapser is None:
+                collapser = Collapser(qualified, state.keys)
+            column_map = state.column_map()
+            identity = all(source == target_name for source, target_name in column_map.items())
+            for row in rows:
+                collapser.add(row, None if identity else column_map)
+        if collapser is None or state is None:
+            result.skipped = True
+            return result
+        collapsed = collapser.result
+        data_types = {n: t for n, t in target.column_types().items() if not n.startswith(METADATA_PREFIX)}
+        metadata = {"cdc_apply": "merge", "pipeline": self.options.pipeline, "relation_oid": oid,
+                    "source": qualified, "first_lsn": format_lsn(collapsed.first_lsn or 0),
+                    "last_lsn": format_lsn(collapsed.last_lsn or 0), "ops": dict(collapsed.op_counts)}
+        if collapsed.truncate is not None:
+            metadata["truncate"] = {"lsn": format_lsn(collapsed.truncate.commit_lsn),
+                                    "cascade": bool(collapsed.truncate.options & m.TRUNCATE_CASCADE),
+                                    "restart_identity": bool(collapsed.truncate.options & m.TRUNCATE_RESTART_IDENTITY)}
+        merge_collapsed(target, collapsed, data_types, state.keys, options, app_id, version,
+                        json.dumps(metadata, sort_keys=True))
+        result.ops = collapsed.op_counts
+        result.keys_written = len(collapsed.states)
+        result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn
+        result.seconds = time.perf_counter() - started
+        log.info("%s: %s in %.1f s", qualified, dict(result.ops), result.seconds)
+        return result
+
+    def _columns(self, relation: m.Relation, options: TableOptions) -> list[tuple[str, str]]:
+        return [(name, spark_type) for name, spark_type in relation_columns(relation, self.rows.types)
+                if options.keeps_column(name)]
+
+    def _create(self, target: Target, relation: m.Relation, options: TableOptions,
+                position: tuple[int, int]) -> SourceState:
+        current = self._columns(relation, options)
+        columns = initial_columns(current, reserved=[name for name, _ in metadata_columns(options)])
+        targets = {col.name: col.target for col in columns}
+        keys = self._keys(relation, options, set(targets))
+        state = SourceState(relation.oid, relation.namespace, relation.name,
+                            tuple(targets[k] for k in keys), columns, position)  # type: ignore[misc]
+        target.create(state, dict(current), options, self.options.table_properties)
+        log.info("created %s for %s.%s (keys %s)", target.location, relation.namespace, relation.name, keys)
+        return state
+
+    @staticmethod
+    def _keys(relation: m.Relation, options: TableOptions, columns: set[str]) -> tuple[str, ...]:
+        qualified = f"{relation.namespace}.{relation.name}"
+        if options.keys:
+            missing = [k for k in options.keys if k not in columns]
+            if missing:
+                raise TableConfigError(f"{qualified}: configured keys {missing} are not columns of the table "
+                                       f"(columns: {sorted(columns)})")
+            return tuple(options.keys)
+        keys = tuple(k for k in relation.key_columns if k in columns)
+        if relation.replica_identity == "n":
+            return ()  # REPLICA IDENTITY NOTHING: the source allows inserts only
+        if not keys:
+            raise TableConfigError(
+                f"{qualified}: no usable key (replica identity "
+                f"{m.REPLICA_IDENTITY_NAMES.get(relation.replica_identity, relation.replica_identity)} "
+                "without key columns); set tables.<name>.keys in the config or give the table a primary key")
+        return keys
+
+    def _evolve(self, target: Target, state: SourceState, segment: TableChanges, options: TableOptions,
+                position: tuple[int, int], result: TableResult) -> SourceState:
+        if position <= state.applied_at:
+            return state
+        current = self._columns(segment.relation, options)
+        events = diff(state.columns, current)
+        if not events:
+            return state
+        where = f"{segment.qualified_name} at LSN {format_lsn(position[0])}"
+        data_types = {n: t for n, t in target.column_types().items() if not n.startswith(METADATA_PREFIX)}
+        decided = plan(events, state.columns, current, data_types, options.schema_policy, where)
+        targets = {col.name: col.target for col in decided.columns}
+        renamed_keys = {a.old for a in decided.actions if isinstance(a, RenameTargetColumn)}
+        missing_keys = [k for k in state.keys if k not in targets.values() and k not in renamed_keys]
+        if missing_keys:
+            raise CdcApplyError(f"{where}: key columns {missing_keys} no longer reach the target after "
+                                f"{[describe(e) for e in events]}")
+        renamed = {a.old: a.new for a in decided.actions if isinstance(a, RenameTargetColumn)}
+        new_state = SourceState(state.relation_oid, segment.relation.namespace, segment.relation.name,
+                                tuple(renamed.get(k, k) for k in state.keys), decided.columns, position)
+        apply_actions(target, decided.actions, new_state, format_lsn(position[0]))
+        result.schema_changes += [describe(e) for e in events]
+        return new_state

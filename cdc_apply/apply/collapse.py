@@ -1,0 +1,157 @@
+"""Change rows of one table, in (commit_lsn, seq) order -> the final state per key.
+
+Invariants (DESIGN.md "Semantics that must hold"):
+- The result holds one entry per key: the last state of that key in the batch, an upsert or a delete.
+- An update whose old key differs from its new key leaves a delete for the old key.
+- A column sent as unchanged TOAST ('u') never becomes a placeholder: its value is taken from the
+  full old image (REPLICA IDENTITY FULL), else from an earlier change of the same row in the batch,
+  else it is marked ``from_target`` and MERGE keeps the target's value (of ``source_key`` when the
+  row's key changed in this batch).
+- A truncate forgets every earlier state; changes after it still apply.
+
+Images arrive keyed by source column names; ``column_map`` renames them to target columns
+(None drops a column), so rows decoded under different Relation versions collapse together.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cdc_apply.errors import CdcApplyError
+from cdc_apply.lsn import format_lsn
+
+Key = tuple[Any, ...]
+Image = dict[str, Any]
+
+
+@dataclass(slots=True)
+class KeyState:
+    deleted: bool
+    values: Image  # target column -> value; for a delete, only the key columns
+    commit_lsn: int
+    commit_ts: int  # microseconds since 1970, UTC
+    from_target: tuple[str, ...] = ()  # columns whose value stays the target row's
+    source_key: Key | None = None  # the target row that supplies from_target, when not this key
+
+
+@dataclass(frozen=True, slots=True)
+class TruncateMark:
+    commit_lsn: int
+    commit_ts: int
+    options: int
+
+
+@dataclass
+class Collapsed:
+    key_columns: tuple[str, ...]
+    states: dict[Key, KeyState] = field(default_factory=dict)
+    truncate: TruncateMark | None = None
+    op_counts: Counter[str] = field(default_factory=Counter)
+    first_lsn: int | None = None
+    last_lsn: int | None = None
+
+    def needs_target_rows(self) -> dict[Key, list[Key]]:
+        """source key -> the keys whose unchanged TOAST values come from that other target row."""
+        wanted: dict[Key, list[Key]] = {}
+        for key, state in self.states.items():
+            if state.from_target and state.source_key is not None:
+                wanted.setdefault(state.source_key, []).append(key)
+        return wanted
+
+
+class Collapser:
+    def __init__(self, table: str, key_columns: tuple[str, ...]) -> None:
+        self.table = table
+        self.result = Collapsed(key_columns)
+        self._key_columns = key_columns
+
+    def add(self, row: Mapping[str, Any], column_map: Mapping[str, str | None] | None = None) -> None:
+        op = row["op"]
+        lsn, ts = row["commit_lsn"], row["commit_ts"]
+        result = self.result
+        result.op_counts[op] += 1
+        if result.first_lsn is None:
+            result.first_lsn = lsn
+        result.last_lsn = lsn
+        if op == "T":
+            result.states.clear()
+            result.truncate = TruncateMark(lsn, ts, row["truncate_options"] or 0)
+            return
+        new = _renamed(row["new"], column_map)
+        full_old = _renamed(row["old"], column_map)
+        identity = full_old or _renamed(row["key"], column_map)
+        if op == "I":
+            result.states[self._key(new, row, "new")] = KeyState(False, new, lsn, ts)
+        elif op == "D":
+            key = self._key(identity, row, "old")
+            result.states[key] = KeyState(True, self._key_image(key), lsn, ts)
+        else:
+            self._update(row, new, full_old, identity, column_map)
+
+    def _update(self, row: Mapping[str, Any], new: Image, full_old: Image | None, identity: Image | None,
+                column_map: Mapping[str, str | None] | None) -> None:
+        states = self.result.states
+        lsn, ts = row["commit_lsn"], row["commit_ts"]
+        new_key = self._key(new, row, "new")
+        old_key = new_key
+        if identity is not None and all(k in identity for k in self._key_columns):
+            old_key = self._key(identity, row, "old")
+        key_changed = old_key != new_key
+        previous = states.pop(old_key, None) if key_changed else states.get(new_key)
+        if key_changed:
+            states[old_key] = KeyState(True, self._key_image(old_key), lsn, ts)
+        unchanged = [name for name in (_rename(n, column_map) for n in row["unchanged"]) if name]
+        from_target: tuple[str, ...] = ()
+        source_key: Key | None = None
+        if unchanged:
+            if full_old is not None:
+                for name in unchanged:
+                    new[name] = full_old.get(name)
+            elif previous is not None and not previous.deleted:
+                for name in unchanged:
+                    new[name] = previous.values.get(name)
+                from_target = tuple(n for n in unchanged if n in previous.from_target)
+                source_key = previous.source_key if previous.source_key is not None else old_key
+            elif previous is None and self.result.truncate is None:
+                from_target = tuple(unchanged)
+                source_key = old_key
+            else:
+                raise CdcApplyError(
+                    f"{self.table}, LSN {format_lsn(lsn)} (transaction {row['xid']}, change {row['seq']}): "
+                    f"update sends unchanged TOAST columns {unchanged} but the row has no earlier value "
+                    "in this batch and the target was truncated or deleted it")
+            if source_key == new_key:
+                source_key = None
+        states[new_key] = KeyState(False, new, lsn, ts, from_target, source_key)
+
+    def _key(self, image: Image | None, row: Mapping[str, Any], which: str) -> Key:
+        try:
+            return tuple(image[k] for k in self._key_columns)  # type: ignore[index]
+        except (KeyError, TypeError):
+            raise CdcApplyError(
+                f"{self.table}, LSN {format_lsn(row['commit_lsn'])} (transaction {row['xid']}, change "
+                f"{row['seq']}): the {which} image has no value for key columns {list(self._key_columns)}; "
+                "keys set in the config must be replica identity columns") from None
+
+    def _key_image(self, key: Key) -> Image:
+        return dict(zip(self._key_columns, key))
+
+
+def _rename(name: str, column_map: Mapping[str, str | None] | None) -> str | None:
+    return name if column_map is None else column_map.get(name, name)
+
+
+def _renamed(image: Image | None, column_map: Mapping[str, str | None] | None) -> Image | None:
+    if image is None:
+        return None
+    if column_map is None:
+        return dict(image)
+    out: Image = {}
+    for name, value in image.items():
+        target = column_map.get(name, name)
+        if target is not None:
+            out[target] = value
+    return out

@@ -1,0 +1,82 @@
+"""Carries schema actions out on a Delta target, each as its own commit, before the data MERGE.
+
+Every action first looks at the Delta schema, so repeating it after a crash is a no-op. The commit
+info (``userMetadata``) records the action and the LSN of the Relation message that caused it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from cdc_apply.apply.schema import (
+    AddTargetColumn, DropTargetColumn, RenameTargetColumn, RetypeTargetColumn, TargetAction, WidenTargetColumn,
+)
+from cdc_apply.apply.targets import SOURCE_PROPERTY, SourceState, Target, quote, sql_string
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
+
+
+@contextmanager
+def commit_metadata(spark: SparkSession, metadata: dict[str, object]) -> Iterator[None]:
+    spark.conf.set(USER_METADATA, json.dumps(metadata, sort_keys=True))
+    try:
+        yield
+    finally:
+        spark.conf.unset(USER_METADATA)
+
+
+def apply_actions(target: Target, actions: Sequence[TargetAction], state: SourceState, lsn: str) -> None:
+    spark = target.spark
+    for action in actions:
+        types = target.column_types()
+        with commit_metadata(spark, {"cdc_apply": "schema", "action": repr(action), "lsn": lsn}):
+            _apply(target, action, types)
+        log.info("%s: %r at LSN %s", target.location, action, lsn)
+    with commit_metadata(spark, {"cdc_apply": "source-state", "lsn": lsn}):
+        spark.sql(f"ALTER TABLE {target.sql} SET TBLPROPERTIES "
+                  f"({sql_string(SOURCE_PROPERTY)} = {sql_string(state.to_json())})")
+
+
+def _apply(target: Target, action: TargetAction, types: dict[str, str]) -> None:
+    spark, table = target.spark, target.sql
+    if isinstance(action, AddTargetColumn):
+        if action.column not in types:
+            spark.sql(f"ALTER TABLE {table} ADD COLUMNS ({quote(action.column)} {action.spark_type})")
+    elif isinstance(action, WidenTargetColumn):
+        if types.get(action.column) != action.spark_type:
+            spark.sql(f"ALTER TABLE {table} ALTER COLUMN {quote(action.column)} TYPE {action.spark_type}")
+    elif isinstance(action, RenameTargetColumn):
+        if action.old in types and action.new not in types:
+            _enable_column_mapping(target)
+            spark.sql(f"ALTER TABLE {table} RENAME COLUMN {quote(action.old)} TO {quote(action.new)}")
+    elif isinstance(action, DropTargetColumn):
+        if action.column in types:
+            _enable_column_mapping(target)
+            spark.sql(f"ALTER TABLE {table} DROP COLUMN {quote(action.column)}")
+    elif isinstance(action, RetypeTargetColumn):
+        if types.get(action.column) != action.spark_type:
+            from pyspark.sql import functions as F
+
+            frame = target.read()
+            frame = frame.withColumn(action.column, F.col(quote(action.column)).cast(action.spark_type))
+            writer = frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
+            if target.by_name:
+                writer.saveAsTable(target.location)
+            else:
+                writer.save(target.location)
+
+
+def _enable_column_mapping(target: Target) -> None:
+    if target.properties().get("delta.columnMapping.mode", "none") == "name":
+        return
+    # Targets always carry table features (type widening), so the mode alone upgrades the protocol.
+    target.spark.sql(f"ALTER TABLE {target.sql} SET TBLPROPERTIES ('delta.columnMapping.mode' = 'name')")
+

@@ -1,0 +1,174 @@
+"""One collapsed batch of one table -> one Delta MERGE, committed with a transaction identifier.
+
+The source of the MERGE holds one row per key: ``_cdc_op`` is U (upsert) or D (delete), the data
+columns, ``_cdc_keep`` (columns whose value stays the target's: unchanged TOAST, or columns the
+row's source schema did not have) and the commit LSN and timestamp of the key's last change.
+
+Exactly once: the MERGE runs with ``spark.databricks.delta.write.txnAppId/txnVersion`` set, so
+Delta refuses to commit a version it already holds, and the caller drops rows at or below the
+version the target already has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from cdc_apply.apply.collapse import Collapsed
+from cdc_apply.apply.evolve import USER_METADATA
+from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED, TableOptions
+from cdc_apply.apply.targets import Target, quote
+from cdc_apply.errors import CdcApplyError
+from cdc_apply.pgtypes.sparktypes import arrow_type
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+OP, KEEP = "_cdc_op", "_cdc_keep"
+TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
+TXN_VERSION = "spark.databricks.delta.write.txnVersion"
+
+
+@contextmanager
+def delta_commit_conf(spark: SparkSession, app_id: str, version: int, user_metadata: str) -> Iterator[None]:
+    conf = {TXN_APP_ID: app_id, TXN_VERSION: str(version), USER_METADATA: user_metadata}
+    for key, value in conf.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key in conf:
+            spark.conf.unset(key)
+
+
+def fill_from_other_rows(target: Target, collapsed: Collapsed, keys: Sequence[str]) -> None:
+    """Unchanged TOAST values of rows whose key changed in this batch come from the old key's target row."""
+    wanted = collapsed.needs_target_rows()
+    if not wanted:
+        return
+    from pyspark.sql import functions as F
+
+    condition = None
+    for source_key in wanted:
+        match = None
+        for name, value in zip(keys, source_key):
+            term = F.col(quote(name)).eqNullSafe(F.lit(value))
+            match = term if match is None else match & term
+        condition = match if condition is None else condition | match
+    found = {tuple(row[k] for k in keys): row.asDict() for row in target.read().where(condition).collect()}
+    for source_key, dependents in wanted.items():
+        old_row = found.get(source_key, {})
+        for key in dependents:
+            state = collapsed.states[key]
+            for name in state.from_target:
+                state.values[name] = old_row.get(name)
+            state.from_target, state.source_key = (), None
+
+
+def source_frame(spark: SparkSession, collapsed: Collapsed, data_types: Mapping[str, str]) -> DataFrame:
+    columns: dict[str, list[Any]] = {name: [] for name in data_types}
+    ops: list[str] = []
+    keeps: list[list[str] | None] = []
+    lsns: list[int] = []
+    timestamps: list[int] = []
+    for state in collapsed.states.values():
+        values = state.values
+        for name, column in columns.items():
+            column.append(values.get(name))
+        ops.append("D" if state.deleted else "U")
+        keep = list(state.from_target)
+        if not state.deleted and len(values) < len(columns):
+            keep += [name for name in columns if name not in values and name not in keep]
+        keeps.append(keep or None)
+        lsns.append(state.commit_lsn)
+        timestamps.append(state.commit_ts)
+    arrays = {name: _array(name, values, data_types[name]) for name, values in columns.items()}
+    arrays[OP] = pa.array(ops, pa.string())
+    arrays[KEEP] = pa.array(keeps, pa.list_(pa.string()))
+    arrays[COMMIT_LSN] = pa.array(lsns, pa.int64())
+    arrays[COMMIT_TS] = pa.array(timestamps, pa.timestamp("us", tz="UTC"))
+    frame = spark.createDataFrame(pa.table(arrays))
+    from pyspark.sql import functions as F
+
+    # Arrow cannot say timestamp_ntz or every Spark type exactly: cast to the target's types.
+    return frame.select([F.col(quote(n)).cast(data_types[n]).alias(n) if n in data_types else F.col(quote(n))
+                         for n in frame.columns])
+
+
+def _array(name: str, values: list[Any], spark_type: str) -> pa.Array:
+    kind = arrow_type(spark_type)
+    try:
+        return pa.array(values, kind)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+        try:  # values decoded under an earlier source type (a type change inside this batch)
+            return pa.array(values).cast(kind)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+            raise CdcApplyError(f"column {name!r}: values do not fit the target type {spark_type}: {exc}") from None
+
+
+def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str],
+                    options: TableOptions, app_id: str, version: int, user_metadata: str) -> None:
+    spark = target.spark
+    fill_from_other_rows(target, collapsed, keys)
+    source = source_frame(spark, collapsed, data_types)
+    with delta_commit_conf(spark, app_id, version, user_metadata):
+        if not keys:
+            _append(target, source, collapsed)
+        else:
+            _merge(target, source, collapsed, data_types, keys, options)
+
+
+def _append(target: Target, source: DataFrame, collapsed: Collapsed) -> None:
+    """Tables without a key (REPLICA IDENTITY NOTHING): inserts only; a truncate overwrites."""
+    rows = source.where(f"{OP} = 'U'").drop(OP, KEEP)
+    writer = rows.write.format("delta").mode("overwrite" if collapsed.truncate else "append")
+    if target.by_name:
+        writer.saveAsTable(target.location)
+    else:
+        writer.save(target.location)
+
+
+def _merge(target: Target, source: DataFrame, collapsed: Collapsed, data_types: Mapping[str, str],
+           keys: Sequence[str], options: TableOptions) -> None:
+    from pyspark.sql import functions as F
+
+    soft = options.delete_mode == "soft"
+    condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys)
+    kept = {name for state in collapsed.states.values() if not state.deleted for name in state.from_target}
+    if any(len(s.values) < len(data_types) for s in collapsed.states.values() if not s.deleted):
+        kept = set(data_types)
+    updates: dict[str, Any] = {}
+    for name in data_types:
+        value = F.col(f"s.{quote(name)}")
+        if name in kept:
+            value = F.when(F.array_contains(F.coalesce(F.col(f"s.{KEEP}"), F.array().cast("array<string>")), name),
+                           F.col(f"t.{quote(name)}")).otherwise(value)
+        updates[quote(name)] = value
+    meta = {quote(COMMIT_LSN): F.col(f"s.{COMMIT_LSN}"), quote(COMMIT_TS): F.col(f"s.{COMMIT_TS}")}
+    inserts = {quote(name): F.col(f"s.{quote(name)}") for name in data_types} | meta
+    if soft:
+        meta_live = meta | {quote(DELETED): F.lit(False)}
+        inserts[quote(DELETED)] = F.lit(False)
+    else:
+        meta_live = meta
+    merge = target.delta().alias("t").merge(source.alias("s"), condition)
+    if soft:
+        merge = merge.whenMatchedUpdate(f"s.{OP} = 'D'", meta | {quote(DELETED): F.lit(True)})
+    else:
+        merge = merge.whenMatchedDelete(f"s.{OP} = 'D'")
+    merge = merge.whenMatchedUpdate(f"s.{OP} = 'U'", updates | meta_live)
+    merge = merge.whenNotMatchedInsert(f"s.{OP} = 'U'", inserts)
+    if collapsed.truncate is not None:
+        if soft:
+            mark = collapsed.truncate
+            merge = merge.whenNotMatchedBySourceUpdate(
+                f"NOT t.{DELETED}",
+                {quote(DELETED): F.lit(True), quote(COMMIT_LSN): F.lit(mark.commit_lsn),
+                 quote(COMMIT_TS): F.timestamp_micros(F.lit(mark.commit_ts))})
+        else:
+            merge = merge.whenNotMatchedBySourceDelete()
+    merge.execute()
+

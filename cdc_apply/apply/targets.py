@@ -1,0 +1,170 @@
+"""Delta target tables: where each source relation lands, creation, and the state kept in the table.
+
+Invariants:
+- A target is found by the source relation OID (``TargetRegistry``), so a renamed source table
+  keeps writing to the table it started with.
+- The table carries its own source state in the ``cdc_apply.source`` table property: the relation
+  OID, the key columns and every source column with the target column it feeds. That state is
+  updated only after the schema change it describes has committed, and every schema action checks
+  the Delta schema first, so a crash between the two repeats nothing twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, CURRENT, DELETED, VALID_FROM, VALID_TO, TableOptions
+from cdc_apply.apply.schema import SourceColumn
+
+if TYPE_CHECKING:
+    from delta.tables import DeltaTable
+    from pyspark.sql import DataFrame, SparkSession
+
+SOURCE_PROPERTY = "cdc_apply.source"
+_NEEDS_COLUMN_MAPPING = re.compile(r"[ ,;{}()\n\t=]")
+
+
+def quote(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+def needs_column_mapping(column: str) -> bool:
+    return bool(_NEEDS_COLUMN_MAPPING.search(column))
+
+
+def metadata_columns(options: TableOptions) -> list[tuple[str, str]]:
+    columns = [(COMMIT_LSN, "bigint"), (COMMIT_TS, "timestamp")]
+    if options.delete_mode == "soft":
+        columns.append((DELETED, "boolean"))
+    if options.scd_type == 2:
+        columns += [(VALID_FROM, "timestamp"), (VALID_TO, "timestamp"), (CURRENT, "boolean")]
+    return columns
+
+
+@dataclass
+class SourceState:
+    relation_oid: int
+    schema: str
+    table: str
+    keys: tuple[str, ...]  # target column names
+    columns: list[SourceColumn]
+    applied_at: tuple[int, int]  # (commit_lsn, seq) of the first change decoded under this definition
+
+    def column_map(self) -> dict[str, str | None]:
+        return {col.name: col.target for col in self.columns}
+
+    def to_json(self) -> str:
+        return json.dumps({"relation_oid": self.relation_oid, "schema": self.schema, "table": self.table,
+                           "keys": list(self.keys), "applied_at": list(self.applied_at),
+                           "columns": [[c.name, c.spark_type, c.target] for c in self.columns]})
+
+    @classmethod
+    def from_json(cls, text: str) -> SourceState:
+        data = json.loads(text)
+        return cls(data["relation_oid"], data["schema"], data["table"], tuple(data["keys"]),
+                   [SourceColumn(*col) for col in data["columns"]], tuple(data["applied_at"]))
+
+
+class Target:
+    """One Delta table: by path (``<warehouse>/<schema>/<table>``) or by metastore name."""
+
+    def __init__(self, spark: SparkSession, location: str, by_name: bool) -> None:
+        self.spark = spark
+        self.location = location
+        self.by_name = by_name
+
+    @property
+    def sql(self) -> str:
+        return self.location if self.by_name else f"delta.{quote(self.location)}"
+
+    def exists(self) -> bool:
+        from delta.tables import DeltaTable
+
+        if self.by_name:
+            return bool(self.spark.catalog.tableExists(self.location))
+        return DeltaTable.isDeltaTable(self.spark, self.location)
+
+    def delta(self) -> DeltaTable:
+        from delta.tables import DeltaTable
+
+        if self.by_name:
+            return DeltaTable.forName(self.spark, self.location)
+        return DeltaTable.forPath(self.spark, self.location)
+
+    def read(self) -> DataFrame:
+        if self.by_name:
+            return self.spark.read.table(self.location)
+        return self.spark.read.format("delta").load(self.location)
+
+    def column_types(self) -> dict[str, str]:
+        return {f.name: f.dataType.simpleString() for f in self.read().schema.fields}
+
+    def properties(self) -> dict[str, str]:
+        return dict(self.delta().detail().select("properties").first()[0] or {})
+
+    def source_state(self) -> SourceState:
+        return SourceState.from_json(self.properties()[SOURCE_PROPERTY])
+
+    def committed_version(self, app_id: str) -> int | None:
+        """The last ``txnVersion`` committed under ``app_id`` (Delta's SetTransaction), or None."""
+        jvm = self.spark._jvm  # type: ignore[attr-defined]
+        delta_log = jvm.org.apache.spark.sql.delta.DeltaLog
+        if self.by_name:
+            table = jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply(self.location)
+            log = delta_log.forTable(self.spark._jsparkSession, table)  # type: ignore[attr-defined]
+        else:
+            log = delta_log.forTable(self.spark._jsparkSession, self.location)  # type: ignore[attr-defined]
+        empty = jvm.scala.Option.empty()
+        version = log.update(False, empty, empty).transactions().get(app_id)
+        return int(version.get()) if version.isDefined() else None
+
+    def create(self, state: SourceState, data_types: Mapping[str, str], options: TableOptions,
+               table_properties: Mapping[str, str]) -> None:
+        columns = [(c.target, data_types[c.name]) for c in state.columns if c.target is not None]
+        columns += metadata_columns(options)
+        properties = {"delta.enableTypeWidening": "true", **table_properties, **options.properties}
+        if any(needs_column_mapping(name) for name, _ in columns):
+            properties.setdefault("delta.columnMapping.mode", "name")
+        properties[SOURCE_PROPERTY] = state.to_json()
+        ddl = ", ".join(f"{quote(name)} {spark_type}" for name, spark_type in columns)
+        partitioned = f" PARTITIONED BY ({', '.join(map(quote, options.partition_by))})" if options.partition_by else ""
+        props = ", ".join(f"{sql_string(k)} = {sql_string(v)}" for k, v in properties.items())
+        self.spark.sql(f"CREATE TABLE IF NOT EXISTS {self.sql} ({ddl}) USING delta{partitioned} "
+                       f"TBLPROPERTIES ({props})")
+
+
+def sql_string(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class TargetRegistry:
+    """relation OID -> target location, kept in ``<warehouse>/_cdc_apply/targets.json``."""
+
+    def __init__(self, warehouse: str) -> None:
+        self.warehouse = warehouse
+        self.path = Path(warehouse) / "_cdc_apply" / "targets.json"
+        self._entries: dict[str, dict[str, Any]] = (
+            json.loads(self.path.read_text()) if self.path.exists() else {})
+
+    def get(self, relation_oid: int) -> dict[str, Any] | None:
+        return self._entries.get(str(relation_oid))
+
+    def add(self, relation_oid: int, location: str, by_name: bool, schema: str, table: str) -> None:
+        self._entries[str(relation_oid)] = {"location": location, "by_name": by_name,
+                                            "schema": schema, "table": table}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(self._entries, indent=1, sort_keys=True))
+        os.replace(temporary, self.path)
+
+    def entries(self) -> dict[int, dict[str, Any]]:
+        return {int(oid): entry for oid, entry in self._entries.items()}
+
+    def default_location(self, schema: str, table: str) -> str:
+        return str(Path(self.warehouse) / schema / table)
