@@ -10,6 +10,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from cdc_apply.config import ConfigError
 from cdc_apply.errors import CdcApplyError
 
 EXIT_OK = 0
@@ -38,6 +39,33 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     return run_decode(args.captures, changes=args.changes, out=sys.stdout)
 
 
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from cdc_apply.config import load_config
+
+    config = load_config(args.config)
+    print(f"{args.config}: valid (pipeline {config.pipeline!r}, warehouse {config.target.warehouse!r}, "
+          f"{len(config.tables)} table rule(s))")
+    return EXIT_OK
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from cdc_apply.apply import build_spark_session
+    from cdc_apply.config import Config, load_config
+    from cdc_apply.replay import print_summary, replay
+
+    config = load_config(args.config) if args.config else Config()
+    options = config.apply_options()
+    if args.warehouse:
+        from dataclasses import replace
+
+        options = replace(options, warehouse=args.warehouse)
+    spark = build_spark_session(config.spark)
+    results = replay(spark, args.captures, options, max_changes=args.max_changes or config.batching.max_changes,
+                     spill_bytes=config.batching.spill_bytes)
+    print_summary(results, sys.stdout)
+    return EXIT_OK
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from cdc_apply.bench import run_bench
 
@@ -63,10 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("captures", nargs="+", help="capture files (.jsonl or .parquet)")
     decode.add_argument("--changes", action="store_true", help="print change rows instead of messages")
 
+    replay = verb("replay", _cmd_replay, "apply capture files to Delta tables (idempotent)")
+    replay.add_argument("captures", nargs="+", help="capture files (.jsonl or .parquet), in stream order")
+    replay.add_argument("--warehouse", help="Delta warehouse directory (overrides target.warehouse)")
+    replay.add_argument("--config", help="YAML config (tables, batching, spark)")
+    replay.add_argument("--max-changes", type=int, default=None,
+                        help="cut batches after this many changes (default: batching.max_changes)")
+
+    validate = verb("validate", _cmd_validate, "check a YAML config and exit")
+    validate.add_argument("config", help="YAML config file")
+
     bench = verb("bench", _cmd_bench, "benchmarks that report side-by-side ratios")
-    bench.add_argument("benchmark", choices=["decode"], help="which benchmark")
+    bench.add_argument("benchmark", choices=["decode", "apply"], help="which benchmark")
     bench.add_argument("--messages", type=int, default=500_000, help="decode: messages to generate")
     bench.add_argument("--binary", action="store_true", help="decode: capture with binary=true")
+    bench.add_argument("--rows", type=int, default=10_000_000, help="apply: rows in the target table")
+    bench.add_argument("--changes", type=int, default=1_000_000, help="apply: mixed changes to merge")
+    bench.add_argument("--per-transaction-slice", type=int, default=2_000,
+                       help="apply: changes applied as one MERGE per 100-row transaction, for comparison")
     return parser
 
 
@@ -77,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.handler(args))
+    except ConfigError as exc:
+        print(f"cdc-apply: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except CdcApplyError as exc:
         print(f"cdc-apply: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE

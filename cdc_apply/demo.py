@@ -1,23 +1,24 @@
-"""`cdc-apply demo`: embedded PostgreSQL 18 -> a realistic workload -> pgoutput -> change rows in Delta.
+"""`cdc-apply demo`: embedded PostgreSQL 18 -> a realistic workload -> pgoutput -> Delta tables via MERGE.
 
-Until the MERGE apply lands (issue 4), the demo lands the typed change rows of each table in a
-Delta change-log table at <warehouse>/<schema>/<table>__changes and prints them. Nothing is
-pre-recorded: every row printed was decoded from the live server's slot in this run.
+Nothing is pre-recorded: every row printed was decoded from the live server's slot in this run,
+applied by the same batch applier `cdc-apply replay` uses, and compared with the source tables.
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
-from collections import Counter
 
 import psycopg
 
+from cdc_apply.apply.batch import BatchApplier
+from cdc_apply.apply.options import ApplyOptions
 from cdc_apply.assemble import Assembler
-from cdc_apply.changes import ChangeRowBuilder
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgserver import PgServer
-from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
+from cdc_apply.replay import print_summary
+from cdc_apply.sources.slot import PgOutputOptions, advance_slot, create_slot, read_changes
 
 SETUP = """
 CREATE TABLE customers (id int PRIMARY KEY, name text NOT NULL, email text, notes text);
@@ -52,32 +53,27 @@ def run_demo(warehouse: str | None = None) -> None:
         for statement in WORKLOAD:
             conn.execute(statement)
         raws = list(read_changes(conn, "demo", PgOutputOptions(("demo_pub",), proto_version=2, streaming="on")))
-        source = {table: conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+        source = {table: conn.execute(f"SELECT * FROM {table} ORDER BY id").fetchall()
                   for table in ("customers", "orders")}
 
-    print(f"3/4 decoding {len(raws)} pgoutput messages "
-          f"({format_lsn(raws[0].lsn)} .. {format_lsn(raws[-1].lsn)}) ...", flush=True)
-    transactions = list(Assembler().transactions(raws))
-    segments = ChangeRowBuilder().build(transactions)
+        print(f"3/4 decoding {len(raws)} pgoutput messages "
+              f"({format_lsn(raws[0].lsn)} .. {format_lsn(raws[-1].lsn)}) ...", flush=True)
+        transactions = list(Assembler().transactions(raws))
 
-    print(f"4/4 writing change rows to Delta under {warehouse} ...", flush=True)
-    spark = build_spark_session()
-    ops: Counter[tuple[str, str]] = Counter()
-    for segment in segments:
-        frame = spark.createDataFrame(segment.to_arrow())
-        path = f"{warehouse}/{segment.relation.namespace}/{segment.relation.name}__changes"
-        frame.write.format("delta").mode("append").option("mergeSchema", "true").save(path)
-        ops.update((segment.qualified_name, row["op"]) for row in segment.rows)
+        print(f"4/4 merging {len(transactions)} transactions into Delta under {warehouse} ...", flush=True)
+        spark = build_spark_session()
+        result = BatchApplier(spark, ApplyOptions(warehouse=warehouse, pipeline="demo")).apply(transactions)
+        advance_slot(conn, "demo", transactions[-1].end_lsn)  # confirm only after every target committed
+
     for table in ("customers", "orders"):
-        path = f"{warehouse}/public/{table}__changes"
-        print(f"\n== public.{table}: change rows in Delta ({path}); source now has {source[table]} rows")
-        (spark.read.format("delta").load(path)
-         .selectExpr("commit_lsn", "seq", "op", "to_json(key) AS key", "substr(to_json(new), 1, 70) AS new",
-                     "unchanged")
-         .orderBy("commit_lsn", "seq").show(truncate=False))
+        path = f"{warehouse}/public/{table}"
+        frame = spark.read.format("delta").load(path).orderBy("id")
+        print(f"\n== public.{table} in Delta ({path})")
+        frame.show(truncate=40)
+        delta_count = frame.count()
+        print(f"   PostgreSQL has {len(source[table])} rows, Delta has {delta_count}: "
+              f"{'equal counts' if delta_count == len(source[table]) else 'DIFFERENT'}")
     print("run summary:")
-    print(f"  transactions {len(transactions)}, messages {len(raws)}, "
-          f"LSN {format_lsn(raws[0].lsn)} .. {format_lsn(raws[-1].lsn)}, {time.perf_counter() - started:.1f} s")
-    for (table, op), count in sorted(ops.items()):
-        print(f"  {table:20s} {op}: {count}")
+    print_summary([result], sys.stdout)
+    print(f"  total {time.perf_counter() - started:.1f} s")
     spark.stop()

@@ -14,7 +14,7 @@ from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cdc_apply.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=300)
 
 
 def test_decode_prints_messages_and_change_rows_from_both_formats(db18, tmp_path) -> None:  # type: ignore[no-untyped-def]

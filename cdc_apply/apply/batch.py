@@ -105,6 +105,8 @@ class BatchApplier:
         options = self.options.for_table(relation.namespace, relation.name)
         if not options.include:
             return None
+        if options.scd_type != 1:
+            raise TableConfigError(f"{qualified}: scd_type {options.scd_type} is not implemented yet; use 1")
         target, registered = self.target(relation, options)
         result = TableResult(qualified, target.location)
         app_id = f"{self.options.pipeline}/{oid}"
@@ -123,7 +125,9 @@ class BatchApplier:
                 state = self._create(target, segment.relation, options, position)
                 self.registry.add(oid, target.location, target.by_name, relation.namespace, relation.name)
             else:
-                state = self._evolve(target, state, segment, options, position, result)
+                state, renamed = self._evolve(target, state, segment, options, position, result)
+                if collapser is not None and renamed:
+                    collapser.rename_columns(renamed)
             if collapser is None:
                 collapser = Collapser(qualified, state.keys)
             column_map = state.column_map()
@@ -187,13 +191,14 @@ class BatchApplier:
         return keys
 
     def _evolve(self, target: Target, state: SourceState, segment: TableChanges, options: TableOptions,
-                position: tuple[int, int], result: TableResult) -> SourceState:
+                position: tuple[int, int], result: TableResult) -> tuple[SourceState, dict[str, str]]:
+        """The state after this segment's Relation, and the target columns renamed on the way."""
         if position <= state.applied_at:
-            return state
+            return state, {}
         current = self._columns(segment.relation, options)
         events = diff(state.columns, current)
         if not events:
-            return state
+            return state, {}
         where = f"{segment.qualified_name} at LSN {format_lsn(position[0])}"
         data_types = {n: t for n, t in target.column_types().items() if not n.startswith(METADATA_PREFIX)}
         decided = plan(events, state.columns, current, data_types, options.schema_policy, where)
@@ -208,4 +213,5 @@ class BatchApplier:
                                 tuple(renamed.get(k, k) for k in state.keys), decided.columns, position)
         apply_actions(target, decided.actions, new_state, format_lsn(position[0]))
         result.schema_changes += [describe(e) for e in events]
-        return new_state
+        return new_state, renamed
+

@@ -103,6 +103,9 @@ class Collapser:
         previous = states.pop(old_key, None) if key_changed else states.get(new_key)
         if key_changed:
             states[old_key] = KeyState(True, self._key_image(old_key), lsn, ts)
+        if previous is not None and not previous.deleted:
+            for name, value in previous.values.items():
+                new.setdefault(name, value)  # target columns the current source no longer has
         unchanged = [name for name in (_rename(n, column_map) for n in row["unchanged"]) if name]
         from_target: tuple[str, ...] = ()
         source_key: Key | None = None
@@ -126,6 +129,14 @@ class Collapser:
             if source_key == new_key:
                 source_key = None
         states[new_key] = KeyState(False, new, lsn, ts, from_target, source_key)
+
+    def rename_columns(self, renamed: Mapping[str, str]) -> None:
+        """Target columns renamed by a schema change inside this batch: earlier states follow."""
+        for state in self.result.states.values():
+            state.values = {renamed.get(name, name): value for name, value in state.values.items()}
+            state.from_target = tuple(renamed.get(name, name) for name in state.from_target)
+        self._key_columns = tuple(renamed.get(name, name) for name in self._key_columns)
+        self.result.key_columns = self._key_columns
 
     def _key(self, image: Image | None, row: Mapping[str, Any], which: str) -> Key:
         try:

@@ -80,7 +80,7 @@ def source_frame(spark: SparkSession, collapsed: Collapsed, data_types: Mapping[
             column.append(values.get(name))
         ops.append("D" if state.deleted else "U")
         keep = list(state.from_target)
-        if not state.deleted and len(values) < len(columns):
+        if not state.deleted:
             keep += [name for name in columns if name not in values and name not in keep]
         keeps.append(keep or None)
         lsns.append(state.commit_lsn)
@@ -103,10 +103,20 @@ def _array(name: str, values: list[Any], spark_type: str) -> pa.Array:
     try:
         return pa.array(values, kind)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
-        try:  # values decoded under an earlier source type (a type change inside this batch)
-            return pa.array(values).cast(kind)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
-            raise CdcApplyError(f"column {name!r}: values do not fit the target type {spark_type}: {exc}") from None
+        # Values decoded under an earlier source type (a type change inside this batch): cast each.
+        return pa.array([_cast(name, value, kind, spark_type) for value in values], kind)
+
+
+def _cast(name: str, value: Any, kind: pa.DataType, spark_type: str) -> Any:
+    try:
+        return pa.scalar(value, kind).as_py()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+        try:
+            return pa.scalar(value).cast(kind).as_py()
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as exc:
+            raise CdcApplyError(f"column {name!r}: value {value!r} does not fit the target type {spark_type} "
+                                f"(multi-dimensional arrays need an array column of depth one: see docs/apply.md): "
+                                f"{exc}") from None
 
 
 def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str],
@@ -137,9 +147,8 @@ def _merge(target: Target, source: DataFrame, collapsed: Collapsed, data_types: 
 
     soft = options.delete_mode == "soft"
     condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys)
-    kept = {name for state in collapsed.states.values() if not state.deleted for name in state.from_target}
-    if any(len(s.values) < len(data_types) for s in collapsed.states.values() if not s.deleted):
-        kept = set(data_types)
+    kept = {name for state in collapsed.states.values() if not state.deleted
+            for name in (*state.from_target, *(n for n in data_types if n not in state.values))}
     updates: dict[str, Any] = {}
     for name in data_types:
         value = F.col(f"s.{quote(name)}")

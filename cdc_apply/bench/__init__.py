@@ -11,4 +11,9 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
 
         bench_decode(messages=args.messages, binary=args.binary)
         return 0
+    if name == "apply":
+        from cdc_apply.bench.apply import bench_apply
+
+        bench_apply(rows=args.rows, changes=args.changes, per_transaction_slice=args.per_transaction_slice)
+        return 0
     raise ValueError(f"unknown benchmark {name}")

@@ -1,0 +1,138 @@
+"""`cdc-apply bench apply`: one collapsed MERGE of mixed changes into a large Delta table, side by side
+with a plain append of the same rows and with one MERGE per 100-row transaction.
+
+Change rows are generated directly (the decode path has its own benchmark): ``changes`` rows in
+100-row transactions, 60% updates, 20% inserts, 20% deletes, over a ``rows``-row target.
+"""
+
+from __future__ import annotations
+
+import random
+import resource
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from cdc_apply.apply import build_spark_session
+from cdc_apply.apply.collapse import Collapser
+from cdc_apply.apply.merge import merge_collapsed, source_frame
+from cdc_apply.apply.options import TableOptions
+from cdc_apply.apply.schema import initial_columns
+from cdc_apply.apply.targets import SourceState, Target
+
+COLUMNS = [("id", "bigint"), ("account", "int"), ("amount", "decimal(12,2)"), ("note", "string"),
+           ("created", "timestamp"), ("flag", "boolean"), ("score", "double")]
+BASE_TS = 1_700_000_000_000_000
+
+
+def _image(key: int, version: int) -> dict[str, Any]:
+    from decimal import Decimal
+
+    return {"id": key, "account": key % 97, "amount": Decimal(key % 100000 + version) / 100,
+            "note": f"note {key} v{version}", "created": BASE_TS + key, "flag": key % 2 == 0,
+            "score": key / 7.0}
+
+
+def generate_changes(rows: int, changes: int, seed: int = 7) -> Iterator[dict[str, Any]]:
+    """Mixed changes against keys 1..rows: updates and deletes of existing keys, inserts of new ones."""
+    rng = random.Random(seed)
+    next_key = rows + 1
+    lsn = 1 << 32
+    for n in range(changes):
+        if n % 100 == 0:
+            lsn += 4096
+        roll = rng.random()
+        base = {"commit_lsn": lsn, "commit_ts": BASE_TS + n, "xid": 1000 + n // 100, "seq": n % 100,
+                "old": None, "unchanged": [], "truncate_options": None}
+        if roll < 0.6:
+            key = rng.randint(1, rows)
+            yield base | {"op": "U", "key": {"id": key}, "new": _image(key, n)}
+        elif roll < 0.8:
+            yield base | {"op": "I", "key": {"id": next_key}, "new": _image(next_key, n)}
+            next_key += 1
+        else:
+            yield base | {"op": "D", "key": {"id": rng.randint(1, rows)}, "new": None}
+
+
+def _peak_jvm_heap_mb(spark: Any) -> float:
+    management = spark._jvm.java.lang.management.ManagementFactory
+    total = 0
+    for pool in management.getMemoryPoolMXBeans():
+        if str(pool.getType()) == "Heap memory":
+            total += pool.getPeakUsage().getUsed()
+    return total / 2**20
+
+
+def bench_apply(rows: int, changes: int, per_transaction_slice: int) -> None:
+    spark = build_spark_session()
+    folder = tempfile.mkdtemp(prefix="cdc_apply_bench_apply_")
+    options = TableOptions()
+    try:
+        def fresh_target(name: str) -> Target:
+            target = Target(spark, f"{folder}/{name}", by_name=False)
+            columns = initial_columns(COLUMNS)
+            target.create(SourceState(1, "public", "bench", ("id",), columns, (0, 0)), dict(COLUMNS), options, {})
+            return target
+
+        def collapse(change_rows: list[dict[str, Any]]):  # type: ignore[no-untyped-def]
+            collapser = Collapser("public.bench", ("id",))
+            for row in change_rows:
+                collapser.add(row)
+            return collapser.result
+
+        print(f"building a {rows:,}-row Delta table ...", flush=True)
+        target = fresh_target("target")
+        started = time.perf_counter()
+        (spark.range(1, rows + 1).selectExpr(
+            "id", "cast(id % 97 as int) AS account", "cast((id % 100000) / 100 as decimal(12,2)) AS amount",
+            "concat('note ', id) AS note", f"timestamp_micros({BASE_TS} + id) AS created", "id % 2 = 0 AS flag",
+            "cast(id / 7.0 AS double) AS score", "0L AS _cdc_commit_lsn", f"timestamp_micros({BASE_TS}) AS _cdc_commit_ts")
+         .write.format("delta").mode("append").save(target.location))
+        print(f"  built in {time.perf_counter() - started:.1f} s", flush=True)
+
+        warm = fresh_target("warmup")  # the first MERGE in a JVM pays a large warm-up: not timed
+        merge_collapsed(warm, collapse(list(generate_changes(1000, 300))), dict(COLUMNS), ("id",), options,
+                        "bench/warmup", 1, "{}")
+
+        print(f"generating {changes:,} change rows ...", flush=True)
+        change_rows = list(generate_changes(rows, changes))
+        started = time.perf_counter()
+        collapsed = collapse(change_rows)
+        collapse_s = time.perf_counter() - started
+        started = time.perf_counter()
+        merge_collapsed(target, collapsed, dict(COLUMNS), ("id",), options, "bench/merge", 2, "{}")
+        merge_s = time.perf_counter() - started
+
+        append_target = fresh_target("append")
+        source = source_frame(spark, collapse(change_rows), dict(COLUMNS)).drop("_cdc_op", "_cdc_keep")
+        started = time.perf_counter()
+        source.write.format("delta").mode("append").save(append_target.location)
+        append_s = time.perf_counter() - started
+
+        slice_rows = change_rows[:per_transaction_slice]
+        started = time.perf_counter()
+        transactions = 0
+        for start in range(0, len(slice_rows), 100):
+            transactions += 1
+            merge_collapsed(target, collapse(slice_rows[start:start + 100]), dict(COLUMNS), ("id",), options,
+                            "bench/per-transaction", 10 + transactions, "{}")
+        per_txn_s = time.perf_counter() - started
+
+        total = collapse_s + merge_s
+        per_change_batched = total / changes
+        per_change_txn = per_txn_s / len(slice_rows)
+        print("\nresults (one run, same machine):")
+        print(f"  collapsed MERGE of {changes:,} changes into {rows:,} rows: {total:.1f} s "
+              f"(collapse {collapse_s:.1f} s, {len(collapsed.states):,} keys; MERGE {merge_s:.1f} s)")
+        print(f"  plain Delta append of the same {len(collapsed.states):,} rows:     {append_s:.1f} s")
+        print(f"  ratio MERGE apply / append:                 {total / append_s:.2f}x (goal <= 3x)")
+        print(f"  one MERGE per 100-row transaction ({transactions} transactions, {len(slice_rows):,} changes): "
+              f"{per_txn_s:.1f} s = {per_change_txn * 1e3:.2f} ms/change, "
+              f"{per_change_txn / per_change_batched:,.0f}x slower per change than batched")
+        print(f"  peak memory: Python driver {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MB, "
+              f"JVM heap {_peak_jvm_heap_mb(spark):,.0f} MB")
+    finally:
+        spark.stop()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,104 @@
+"""Oracle tests for the apply semantics: identities, TOAST, key changes, truncate, schema evolution,
+table rename, partitions (root on and off), delete modes and schema policies."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from cdc_apply.apply.options import ApplyOptions, TableOptions
+from cdc_apply.apply.schema import SchemaPolicyError
+from cdc_apply.replay import replay
+from cdc_apply.sources.capture import write_jsonl
+from cdc_apply.sources.slot import PgOutputOptions
+from tests.apply_workloads import LEAF_TABLES, ROOT_TABLES, run_apply_workload
+from tests.capture_helpers import peek
+from tests.conftest import fresh_database
+from tests.delta_oracle import delta_rows, source_types
+from tests.reference_apply import postgres_rows
+
+EVOLVE = {"public.evolv*": TableOptions(schema_policy="evolve")}
+
+
+@pytest.fixture(scope="module")
+def workload(pg18, tmp_path_factory):  # type: ignore[no-untyped-def]
+    for server, dbname in fresh_database(pg18):
+        run_apply_workload(server, dbname)
+        folder = tmp_path_factory.mktemp("captures")
+        captures = {}
+        for slot, publication in (("s_root", "pub_root"), ("s_leaf", "pub_leaf")):
+            for binary in (False, True):
+                raws = peek(server, dbname, slot, PgOutputOptions((publication,), 2, streaming="on", binary=binary))
+                path = folder / f"{slot}-{binary}.jsonl"
+                write_jsonl(path, raws)
+                captures[(slot, binary)] = str(path)
+        with psycopg.connect(server.conninfo(dbname)) as conn:
+            names = set(ROOT_TABLES) | set(LEAF_TABLES)
+            truth = {name: postgres_rows(conn, name, (ROOT_TABLES | LEAF_TABLES)[name][1]) for name in names}
+            types = {name: source_types(conn, name) for name in names}
+        yield captures, truth, types
+
+
+def _compare(spark, warehouse, tables, truth, types):  # type: ignore[no-untyped-def]
+    for name, (path, columns) in tables.items():
+        got = delta_rows(spark, f"{warehouse}/{path}", columns, types[name])
+        assert got == truth[name], name
+
+
+@pytest.mark.parametrize("slot,tables", [("s_root", ROOT_TABLES), ("s_leaf", LEAF_TABLES)], ids=["root", "leaf"])
+@pytest.mark.parametrize("binary", [False, True], ids=["text", "binary"])
+def test_every_table_equals_postgres(workload, spark, tmp_path, slot, tables, binary):  # type: ignore[no-untyped-def]
+    captures, truth, types = workload
+    warehouse = str(tmp_path / "wh")
+    replay(spark, [captures[(slot, binary)]], ApplyOptions(warehouse=warehouse, tables=EVOLVE))
+    _compare(spark, warehouse, tables, truth, types)
+
+
+def test_one_batch_per_transaction_gives_the_same_tables(workload, spark, tmp_path):  # type: ignore[no-untyped-def]
+    captures, truth, types = workload
+    warehouse = str(tmp_path / "wh")
+    results = replay(spark, [captures[("s_root", False)]], ApplyOptions(warehouse=warehouse, tables=EVOLVE),
+                     max_changes=1)
+    assert len(results) > 30
+    _compare(spark, warehouse, ROOT_TABLES, truth, types)
+
+
+def test_lenient_policy_keeps_dropped_and_renamed_columns(workload, spark, tmp_path):  # type: ignore[no-untyped-def]
+    captures, truth, types = workload
+    warehouse = str(tmp_path / "wh")
+    replay(spark, [captures[("s_root", False)]], ApplyOptions(warehouse=warehouse))
+    frame = spark.read.format("delta").load(f"{warehouse}/public/evolving")
+    columns = [f.name for f in frame.schema.fields]
+    assert columns[:5] == ["id", "a", "b", "c", "d"] and {"b2", "e", "e__string"} <= set(columns)
+    assert dict(frame.schema.simpleString() and [(f.name, f.dataType.simpleString()) for f in frame.schema.fields])[
+        "a"] == "bigint"
+    rows = {r["id"]: r for r in frame.collect()}
+    assert rows[1]["c"] == "c1" and rows[7]["c"] == "c7"  # the dropped column keeps its values
+    assert rows[2]["b2"] == "renamed" and rows[2]["b"] == "b2"  # old column kept, new one added
+    assert rows[5]["e__string"] == "text now" and rows[5]["e"] is None
+    assert rows[8]["e__string"] == "eight" and 6 not in rows
+
+
+def test_fail_policy_stops_with_the_place_and_keeps_earlier_commits(workload, spark, tmp_path):  # type: ignore[no-untyped-def]
+    captures, truth, types = workload
+    warehouse = str(tmp_path / "wh")
+    options = ApplyOptions(warehouse=warehouse, tables={"public.evolv*": TableOptions(schema_policy="fail")})
+    with pytest.raises(SchemaPolicyError, match=r"public\.evolving at LSN [0-9A-F]+/[0-9A-F]+: .*dropped column 'c'"):
+        replay(spark, [captures[("s_root", False)]], options, max_changes=1)
+    rows = {r["id"]: r for r in spark.read.format("delta").load(f"{warehouse}/public/evolving").collect()}
+    assert rows[7]["e"] == 700 and rows[1]["c"] == "c1"  # committed before the refused change
+
+
+def test_soft_deletes_keep_rows_marked(workload, spark, tmp_path):  # type: ignore[no-untyped-def]
+    captures, truth, types = workload
+    warehouse = str(tmp_path / "wh")
+    options = ApplyOptions(warehouse=warehouse, tables=EVOLVE, defaults=TableOptions(delete_mode="soft"))
+    replay(spark, [captures[("s_root", True)]], options, max_changes=50)  # rows exist before they go
+    for name in ("public.ident_default", "public.docs", "public.ident_full", "public.measures"):
+        path, columns = ROOT_TABLES[name]
+        live = delta_rows(spark, f"{warehouse}/{path}", columns, types[name], where="NOT _cdc_deleted")
+        assert live == truth[name], name
+    deleted = spark.read.format("delta").load(f"{warehouse}/public/ident_default").where("_cdc_deleted")
+    assert deleted.where("id = 7").count() == 1  # deleted
+    assert deleted.where("id = 2").count() == 1  # truncated
+    assert deleted.where("id = 1").count() == 0  # truncated, then inserted again
