@@ -96,13 +96,6 @@ class TableConfig(_Strict):
     properties: dict[str, str] = {}
     name: str | None = None  # catalog.schema.table instead of a path under the warehouse
 
-    @field_validator("scd_type")
-    @classmethod
-    def _scd_type_supported(cls, value: int) -> int:
-        if value == 2:
-            raise ValueError("SCD type 2 history tables are not implemented yet; use 1")
-        return value
-
     def options(self) -> TableOptions:
         return TableOptions(
             keys=tuple(self.keys) if self.keys else None, delete_mode=self.delete_mode, scd_type=self.scd_type,

@@ -102,3 +102,29 @@ def test_soft_deletes_keep_rows_marked(workload, spark, tmp_path):  # type: igno
     assert deleted.where("id = 7").count() == 1  # deleted
     assert deleted.where("id = 2").count() == 1  # truncated
     assert deleted.where("id = 1").count() == 0  # truncated, then inserted again
+
+
+def test_scd2_history_keeps_every_version_and_one_current_row(workload, spark, tmp_path):  # type: ignore[no-untyped-def]
+    captures, truth, types = workload
+    warehouse = str(tmp_path / "wh")
+    history = TableOptions(scd_type=2)
+    options = ApplyOptions(warehouse=warehouse, tables={
+        "public.evolv*": TableOptions(scd_type=2, schema_policy="evolve"), "public.ident_nothing": TableOptions(),
+        "public.*": history})
+    replay(spark, [captures[("s_root", False)]], options, max_changes=50)  # versions span batches
+    for name in ("public.ident_default", "public.ident_index", "public.ident_full", "public.docs",
+                 "public.evolved", "public.measures"):
+        path, columns = ROOT_TABLES[name]
+        current = delta_rows(spark, f"{warehouse}/{path}", columns, types[name], where="_cdc_current")
+        assert current == truth[name], name
+    docs = spark.read.format("delta").load(f"{warehouse}/public/docs")
+    assert docs.groupBy("id").agg({"_cdc_current": "count"}).count() >= 4
+    assert docs.where("_cdc_current").groupBy("id").count().where("count > 1").count() == 0
+    ten = docs.where("id = 10").orderBy("_cdc_valid_from").collect()
+    assert [r["title"] for r in ten] == ["one", "ten"] and ten[0]["_cdc_valid_to"] == ten[1]["_cdc_valid_from"]
+    assert all(len(r["body"]) > 8000 for r in ten)  # unchanged TOAST carried into every version
+    one = docs.where("id = 1").orderBy("_cdc_valid_from").collect()
+    assert one and not one[-1]["_cdc_current"] and one[-1]["_cdc_valid_to"] is not None  # key moved away
+    default = spark.read.format("delta").load(f"{warehouse}/public/ident_default")
+    assert default.where("id = 2 AND NOT _cdc_current").count() >= 1  # ended by the truncate
+    assert default.where("_cdc_valid_to < _cdc_valid_from").count() == 0

@@ -22,7 +22,7 @@ def test_example_config_is_valid_and_maps_to_apply_options(tmp_path) -> None:  #
     ({"sorce": {}}, "sorce: unknown key"),
     ({"tables": {"public.orders": {"delete_mode": "gone"}}}, "tables.\"public.orders\".delete_mode: must be one of 'hard' or 'soft'"),
     ({"tables": {"public.t": {"schema_policy": "x"}}}, "schema_policy: must be one of"),
-    ({"tables": {"public.t": {"scd_type": 2}}}, "scd_type: Value error, SCD type 2"),
+    ({"tables": {"public.t": {"scd_type": 3}}}, "scd_type: must be one of 1 or 2"),
     ({"source": {"port": 0}}, "source.port: Input should be greater than or equal to 1"),
     ({"source": {"password_env": "A", "password_file": "/x"}}, "source: Value error, set password_env or password_file"),
     ({"batching": {"max_changes": 0}}, "batching.max_changes"),

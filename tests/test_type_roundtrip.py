@@ -117,15 +117,16 @@ def _capture(server, dbname):  # type: ignore[no-untyped-def]
         select = ", ".join(f"CASE WHEN {name} IS NOT NULL THEN format('%s', {name}) END" for name in columns)
         truth = {r[0]: r[1:] for r in conn.execute(f"SELECT id, {select} FROM typed").fetchall()}
         decoded = {}
+        captures = {}
         for binary in (False, True):
-            raws = list(read_changes(conn, "types", PgOutputOptions(("pub",), binary=binary)))
+            raws = captures[binary] = list(read_changes(conn, "types", PgOutputOptions(("pub",), binary=binary)))
             segments = change_rows(Assembler().transactions(raws))
             decoded[binary] = {r["new"]["id"]: r["new"] for seg in segments for r in seg.rows}
-    return columns, truth, decoded
+    return columns, truth, decoded, captures
 
 
 def test_binary_and_text_decode_to_the_same_values(captured) -> None:  # type: ignore[no-untyped-def]
-    columns, truth, decoded = captured
+    columns, truth, decoded, _ = captured
     assert decoded[False].keys() == truth.keys()
     for row_id, text_row in decoded[False].items():
         binary_row = decoded[True][row_id]
@@ -138,7 +139,7 @@ def test_binary_and_text_decode_to_the_same_values(captured) -> None:  # type: i
 
 
 def test_decoded_values_render_back_to_postgres_text(captured) -> None:  # type: ignore[no-untyped-def]
-    columns, truth, decoded = captured
+    columns, truth, decoded, _ = captured
     special = {"float4", "float8", "money", "interval", "numeric[]"}
     checked = 0
     for binary in (False, True):
@@ -195,7 +196,7 @@ def _pg_equivalent(type_name: str, pg_text: str) -> str:
 
 
 def test_special_values_follow_their_documented_rule(captured) -> None:  # type: ignore[no-untyped-def]
-    columns, truth, decoded = captured
+    columns, truth, decoded, _ = captured
     by_type = {type_name: name for name, type_name in columns.items()}
     for binary in (False, True):
         rows = decoded[binary]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from cdc_apply.apply.collapse import Collapser
 from cdc_apply.apply.evolve import apply_actions
+from cdc_apply.apply.history import HistoryCollapser, merge_history
 from cdc_apply.apply.merge import merge_collapsed
 from cdc_apply.apply.options import METADATA_PREFIX, ApplyOptions, TableOptions
 from cdc_apply.apply.schema import RenameTargetColumn, describe, diff, initial_columns, plan, relation_columns
@@ -105,8 +106,6 @@ class BatchApplier:
         options = self.options.for_table(relation.namespace, relation.name)
         if not options.include:
             return None
-        if options.scd_type != 1:
-            raise TableConfigError(f"{qualified}: scd_type {options.scd_type} is not implemented yet; use 1")
         target, registered = self.target(relation, options)
         result = TableResult(qualified, target.location)
         app_id = f"{self.options.pipeline}/{oid}"
@@ -129,7 +128,10 @@ class BatchApplier:
                 if collapser is not None and renamed:
                     collapser.rename_columns(renamed)
             if collapser is None:
-                collapser = Collapser(qualified, state.keys)
+                if options.scd_type == 2:
+                    collapser = HistoryCollapser(qualified, state.keys)
+                else:
+                    collapser = Collapser(qualified, state.keys)
             column_map = state.column_map()
             identity = all(source == target_name for source, target_name in column_map.items())
             for row in rows:
@@ -146,8 +148,14 @@ class BatchApplier:
             metadata["truncate"] = {"lsn": format_lsn(collapsed.truncate.commit_lsn),
                                     "cascade": bool(collapsed.truncate.options & m.TRUNCATE_CASCADE),
                                     "restart_identity": bool(collapsed.truncate.options & m.TRUNCATE_RESTART_IDENTITY)}
-        merge_collapsed(target, collapsed, data_types, state.keys, options, app_id, version,
-                        json.dumps(metadata, sort_keys=True))
+        if isinstance(collapser, HistoryCollapser):
+            if not state.keys:
+                raise TableConfigError(f"{qualified}: SCD type 2 needs a key; set tables.<name>.keys")
+            merge_history(target, collapser, data_types, state.keys, app_id, version,
+                          json.dumps(metadata, sort_keys=True))
+        else:
+            merge_collapsed(target, collapsed, data_types, state.keys, options, app_id, version,
+                            json.dumps(metadata, sort_keys=True))
         result.ops = collapsed.op_counts
         result.keys_written = len(collapsed.states)
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn

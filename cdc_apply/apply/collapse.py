@@ -77,17 +77,16 @@ class Collapser:
             result.first_lsn = lsn
         result.last_lsn = lsn
         if op == "T":
-            result.states.clear()
-            result.truncate = TruncateMark(lsn, ts, row["truncate_options"] or 0)
+            self._truncate(TruncateMark(lsn, ts, row["truncate_options"] or 0))
             return
         new = _renamed(row["new"], column_map)
         full_old = _renamed(row["old"], column_map)
         identity = full_old or _renamed(row["key"], column_map)
         if op == "I":
-            result.states[self._key(new, row, "new")] = KeyState(False, new, lsn, ts)
+            self._set(self._key(new, row, "new"), KeyState(False, new, lsn, ts))
         elif op == "D":
             key = self._key(identity, row, "old")
-            result.states[key] = KeyState(True, self._key_image(key), lsn, ts)
+            self._set(key, KeyState(True, self._key_image(key), lsn, ts))
         else:
             self._update(row, new, full_old, identity, column_map)
 
@@ -102,7 +101,7 @@ class Collapser:
         key_changed = old_key != new_key
         previous = states.pop(old_key, None) if key_changed else states.get(new_key)
         if key_changed:
-            states[old_key] = KeyState(True, self._key_image(old_key), lsn, ts)
+            self._set(old_key, KeyState(True, self._key_image(old_key), lsn, ts))
         if previous is not None and not previous.deleted:
             for name, value in previous.values.items():
                 new.setdefault(name, value)  # target columns the current source no longer has
@@ -128,7 +127,14 @@ class Collapser:
                     "in this batch and the target was truncated or deleted it")
             if source_key == new_key:
                 source_key = None
-        states[new_key] = KeyState(False, new, lsn, ts, from_target, source_key)
+        self._set(new_key, KeyState(False, new, lsn, ts, from_target, source_key))
+
+    def _set(self, key: Key, state: KeyState) -> None:
+        self.result.states[key] = state
+
+    def _truncate(self, mark: TruncateMark) -> None:
+        self.result.states.clear()
+        self.result.truncate = mark
 
     def rename_columns(self, renamed: Mapping[str, str]) -> None:
         """Target columns renamed by a schema change inside this batch: earlier states follow."""

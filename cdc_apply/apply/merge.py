@@ -11,13 +11,13 @@ version the target already has.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from cdc_apply.apply.collapse import Collapsed
+from cdc_apply.apply.collapse import Collapsed, Key
 from cdc_apply.apply.evolve import USER_METADATA
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED, TableOptions
 from cdc_apply.apply.targets import Target, quote
@@ -44,21 +44,32 @@ def delta_commit_conf(spark: SparkSession, app_id: str, version: int, user_metad
             spark.conf.unset(key)
 
 
+def fetch_target_rows(target: Target, keys: Sequence[str], wanted: Iterable[Key],
+                      where: str | None = None) -> dict[Key, dict[str, Any]]:
+    """The target rows of the ``wanted`` keys, read to the driver (only for rare cases)."""
+    from pyspark.sql import functions as F
+
+    condition = None
+    for key in wanted:
+        match = None
+        for name, value in zip(keys, key):
+            term = F.col(quote(name)).eqNullSafe(F.lit(value))
+            match = term if match is None else match & term
+        condition = match if condition is None else condition | match
+    if condition is None:
+        return {}
+    frame = target.read().where(condition)
+    if where:
+        frame = frame.where(where)
+    return {tuple(row[k] for k in keys): row.asDict() for row in frame.collect()}
+
+
 def fill_from_other_rows(target: Target, collapsed: Collapsed, keys: Sequence[str]) -> None:
     """Unchanged TOAST values of rows whose key changed in this batch come from the old key's target row."""
     wanted = collapsed.needs_target_rows()
     if not wanted:
         return
-    from pyspark.sql import functions as F
-
-    condition = None
-    for source_key in wanted:
-        match = None
-        for name, value in zip(keys, source_key):
-            term = F.col(quote(name)).eqNullSafe(F.lit(value))
-            match = term if match is None else match & term
-        condition = match if condition is None else condition | match
-    found = {tuple(row[k] for k in keys): row.asDict() for row in target.read().where(condition).collect()}
+    found = fetch_target_rows(target, keys, wanted)
     for source_key, dependents in wanted.items():
         old_row = found.get(source_key, {})
         for key in dependents:
@@ -85,7 +96,7 @@ def source_frame(spark: SparkSession, collapsed: Collapsed, data_types: Mapping[
         keeps.append(keep or None)
         lsns.append(state.commit_lsn)
         timestamps.append(state.commit_ts)
-    arrays = {name: _array(name, values, data_types[name]) for name, values in columns.items()}
+    arrays = {name: arrow_column(name, values, data_types[name]) for name, values in columns.items()}
     arrays[OP] = pa.array(ops, pa.string())
     arrays[KEEP] = pa.array(keeps, pa.list_(pa.string()))
     arrays[COMMIT_LSN] = pa.array(lsns, pa.int64())
@@ -98,7 +109,7 @@ def source_frame(spark: SparkSession, collapsed: Collapsed, data_types: Mapping[
                          for n in frame.columns])
 
 
-def _array(name: str, values: list[Any], spark_type: str) -> pa.Array:
+def arrow_column(name: str, values: list[Any], spark_type: str) -> pa.Array:
     kind = arrow_type(spark_type)
     try:
         return pa.array(values, kind)

@@ -40,10 +40,10 @@ def needs_column_mapping(column: str) -> bool:
 
 def metadata_columns(options: TableOptions) -> list[tuple[str, str]]:
     columns = [(COMMIT_LSN, "bigint"), (COMMIT_TS, "timestamp")]
-    if options.delete_mode == "soft":
-        columns.append((DELETED, "boolean"))
-    if options.scd_type == 2:
+    if options.scd_type == 2:  # history ends versions on delete: no delete mode applies
         columns += [(VALID_FROM, "timestamp"), (VALID_TO, "timestamp"), (CURRENT, "boolean")]
+    elif options.delete_mode == "soft":
+        columns.append((DELETED, "boolean"))
     return columns
 
 
