@@ -96,7 +96,7 @@ def run_apply_workload(server: PgServer, dbname: str) -> None:
             run("UPDATE docs SET n = 99 WHERE id = 2")
             run("TRUNCATE ident_default, ident_nothing")
             run("INSERT INTO ident_default VALUES (501, 'after'), (1, 'again')")
-            run("INSERT INTO ident_nothing VALUES (9, 'after')")
+            run("INSERT INTO ident_nothing VALUES (9, 'after'), (10, 'after'), (10, 'after')")
         run("UPDATE ident_default SET v = 'after2' WHERE id = 1")
         # Partitions: updates, a cross-partition move, deletes.
         run("UPDATE measures SET v = v * 10 WHERE id <= 4")

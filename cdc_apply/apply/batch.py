@@ -109,11 +109,12 @@ class BatchApplier:
         target, registered = self.target(relation, options)
         result = TableResult(qualified, target.location)
         app_id = f"{self.options.pipeline}/{oid}"
-        done = target.committed_version(app_id) if registered and target.exists() else None
+        exists = target.exists()  # also when the registry was lost: the table holds its own state
+        done = target.committed_version(app_id) if exists else None
         if done is not None and done >= version:
             result.skipped = True
             return result
-        state: SourceState | None = target.source_state() if registered and target.exists() else None
+        state: SourceState | None = target.source_state() if exists else None
         collapser: Collapser | None = None
         for segment in segments:
             rows = segment.rows if done is None else [r for r in segment.rows if r["commit_lsn"] > done]
@@ -122,7 +123,9 @@ class BatchApplier:
             position = (rows[0]["commit_lsn"], rows[0]["seq"])
             if state is None:
                 state = self._create(target, segment.relation, options, position)
+            if not registered:
                 self.registry.add(oid, target.location, target.by_name, relation.namespace, relation.name)
+                registered = True
             else:
                 state, renamed = self._evolve(target, state, segment, options, position, result)
                 if collapser is not None and renamed:

@@ -15,6 +15,7 @@ Images arrive keyed by source column names; ``column_map`` renames them to targe
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ class Collapser:
         self.table = table
         self.result = Collapsed(key_columns)
         self._key_columns = key_columns
+        self._row_numbers = itertools.count()
 
     def add(self, row: Mapping[str, Any], column_map: Mapping[str, str | None] | None = None) -> None:
         op = row["op"]
@@ -83,7 +85,9 @@ class Collapser:
         full_old = _renamed(row["old"], column_map)
         identity = full_old or _renamed(row["key"], column_map)
         if op == "I":
-            self._set(self._key(new, row, "new"), KeyState(False, new, lsn, ts))
+            # Without a key (REPLICA IDENTITY NOTHING) every insert is its own row.
+            key = self._key(new, row, "new") if self._key_columns else (next(self._row_numbers),)
+            self._set(key, KeyState(False, new, lsn, ts))
         elif op == "D":
             key = self._key(identity, row, "old")
             self._set(key, KeyState(True, self._key_image(key), lsn, ts))

@@ -108,8 +108,10 @@ class Target:
     def properties(self) -> dict[str, str]:
         return dict(self.delta().detail().select("properties").first()[0] or {})
 
-    def source_state(self) -> SourceState:
-        return SourceState.from_json(self.properties()[SOURCE_PROPERTY])
+    def source_state(self) -> SourceState | None:
+        """None for a Delta table cdc_apply did not create (it is then adopted as it is)."""
+        text = self.properties().get(SOURCE_PROPERTY)
+        return SourceState.from_json(text) if text else None
 
     def committed_version(self, app_id: str) -> int | None:
         """The last ``txnVersion`` committed under ``app_id`` (Delta's SetTransaction), or None."""
