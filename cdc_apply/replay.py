@@ -61,7 +61,7 @@ def print_summary(results: Sequence[BatchResult], out: TextIO) -> None:
     changes = sum(b.changes for b in results)
     span = f"{format_lsn(min(lsns))} .. {format_lsn(max(lsns))}" if lsns else "-"
     out.write(f"batches {len(results)}, transactions {sum(b.transactions for b in results)}, changes {changes}, "
-              f"LSN {span}, {seconds:.1f} s ({changes / seconds if seconds else 0:.0f} changes/s)\n")
+              f"LSN {span}, {seconds:.1f} s ({changes / seconds if seconds else 0:,.1f} changes/s)\n")
     for table in sorted(set(totals) | set(skipped)):
         counts = totals.get(table, {"I": 0, "U": 0, "D": 0, "T": 0, "keys": 0})
         out.write(f"  {table:30s} I {counts['I']:>8} U {counts['U']:>8} D {counts['D']:>8} T {counts['T']:>3} "
