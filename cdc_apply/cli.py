@@ -6,12 +6,14 @@ Exit codes: 0 success, 1 runtime failure (bad input, server error), 2 usage or c
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
 
 from cdc_apply.config import ConfigError
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.lsn import format_lsn
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -66,6 +68,40 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from cdc_apply.apply import build_spark_session
+    from cdc_apply.config import load_config
+    from cdc_apply.pipeline import StopFlag, drain, follow
+    from cdc_apply.replay import print_summary
+
+    config = load_config(args.config)
+    spark = build_spark_session(config.spark)
+    with StopFlag().on_signals() as stop:
+        summary = follow(config, spark, stop) if args.follow else drain(config, spark, stop=stop)
+    print_summary(summary.batches, sys.stdout)
+    confirmed = summary.confirmed_lsn
+    print(f"slot {config.source.slot} confirmed to {format_lsn(confirmed) if confirmed else '(unchanged)'}")
+    return EXIT_OK
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from cdc_apply.config import load_config
+    from cdc_apply.pipeline import slot_status
+
+    status = slot_status(load_config(args.config))
+    print(json.dumps(status))
+    return EXIT_OK if status["exists"] else EXIT_FAILURE
+
+
+def _cmd_capture(args: argparse.Namespace) -> int:
+    from cdc_apply.config import load_config
+    from cdc_apply.pipeline import capture
+
+    count, manifest = capture(load_config(args.config), args.out, consume=args.consume)
+    print(f"wrote {count} messages to {args.out} ({manifest})")
+    return EXIT_OK
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from cdc_apply.bench import run_bench
 
@@ -97,6 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--config", help="YAML config (tables, batching, spark)")
     replay.add_argument("--max-changes", type=int, default=None,
                         help="cut batches after this many changes (default: batching.max_changes)")
+
+    run = verb("run", _cmd_run, "apply a slot's changes to Delta (SQL-interface batches), then confirm")
+    run.add_argument("--config", required=True, help="YAML config")
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="take what the slot holds now and exit (default)")
+    mode.add_argument("--follow", action="store_true",
+                      help="keep polling every batching.max_seconds until SIGTERM/SIGINT")
+
+    status = verb("status", _cmd_status, "print the slot's confirmed position and lag as JSON")
+    status.add_argument("--config", required=True, help="YAML config")
+
+    capture = verb("capture", _cmd_capture, "write a slot's changes to a capture file (.jsonl or .parquet)")
+    capture.add_argument("--config", required=True, help="YAML config")
+    capture.add_argument("--out", required=True, help="capture file; manifest.json is written beside it")
+    capture.add_argument("--consume", action="store_true", help="advance the slot past what was written")
 
     validate = verb("validate", _cmd_validate, "check a YAML config and exit")
     validate.add_argument("config", help="YAML config file")

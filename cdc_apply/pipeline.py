@@ -1,0 +1,171 @@
+"""The loop that joins source -> decode -> assemble -> apply -> confirm (SQL-interface batch mode).
+
+Each round peeks at most ``batching.max_changes`` messages from the slot (whole transactions, up to
+the WAL position the run started at), applies the committed transactions, and only then advances
+the slot. Invariants:
+- The slot is never confirmed past a transaction that is not durable in every target: the
+  advance comes after ``BatchApplier.apply`` returns, and never passes an open streamed or a
+  prepared-but-undecided transaction (``Assembler.safe_confirm_lsn``).
+- A crash between apply and advance re-reads the same transactions next time; the targets' Delta
+  transaction versions make the second apply a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import psycopg
+
+from cdc_apply.apply.batch import BatchApplier, BatchResult
+from cdc_apply.assemble import Assembler
+from cdc_apply.config import Config
+from cdc_apply.lsn import format_lsn, parse_lsn
+from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
+from cdc_apply.sources.slot import advance_slot, read_changes, server_version_num
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSummary:
+    batches: list[BatchResult] = field(default_factory=list)
+    confirmed_lsn: int | None = None
+    rounds: int = 0
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop stops after the current batch."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    @contextmanager
+    def on_signals(self) -> Iterator[StopFlag]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {sig: signal.signal(sig, lambda *_: self.event.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _has_configured_keys(config: Config) -> Callable[[str, str], bool]:
+    options = config.apply_options()
+    return lambda schema, table: bool(options.for_table(schema, table).keys)
+
+
+def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) -> RunSummary:
+    """Apply everything the slot holds up to the current WAL position, then return."""
+    summary = RunSummary()
+    source = config.source
+    with psycopg.connect(source.conninfo(), autocommit=True) as conn:
+        check_source(conn, source, _has_configured_keys(config))
+        ensure_publication_and_slot(conn, source)
+        options = protocol_options(source, server_version_num(conn))
+        upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+        applier = BatchApplier(spark, config.apply_options())
+        log.info("reading slot %s of %s up to %s", source.slot, source.describe(), format_lsn(upto))
+        limit = config.batching.max_changes
+        while stop is None or not stop.event.is_set():
+            summary.rounds += 1
+            assembler = Assembler(spill_bytes=config.batching.spill_bytes, skip_origins=source.skip_origins)
+            try:
+                raws = list(read_changes(conn, source.slot, options, upto_lsn=upto, upto_nchanges=limit))
+                if not raws:
+                    break
+                transactions = list(assembler.transactions(raws))
+                if transactions:
+                    summary.batches.append(applier.apply(transactions))
+                confirm = assembler.safe_confirm_lsn(transactions[-1].end_lsn) if transactions else 0
+            finally:
+                assembler.close()
+            if confirm <= _confirmed_flush(conn, source.slot):
+                if len(raws) >= limit:
+                    limit *= 2  # one transaction is larger than the window: widen it and read again
+                    continue
+                break  # only undecided (prepared or open streamed) transactions are left
+            advance_slot(conn, source.slot, confirm)
+            summary.confirmed_lsn = confirm
+            limit = config.batching.max_changes
+            log.info("confirmed slot %s to %s", source.slot, format_lsn(confirm))
+    return summary
+
+
+def follow(config: Config, spark: SparkSession, stop: StopFlag) -> RunSummary:
+    """Drain, wait ``batching.max_seconds``, drain again, until stopped (SQL-interface polling)."""
+    total = RunSummary()
+    while not stop.event.is_set():
+        summary = drain(config, spark, stop=stop)
+        total.batches += summary.batches
+        total.rounds += summary.rounds
+        total.confirmed_lsn = summary.confirmed_lsn or total.confirmed_lsn
+        stop.event.wait(config.batching.max_seconds)
+    return total
+
+
+def _confirmed_flush(conn: psycopg.Connection, slot: str) -> int:
+    row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                       (slot,)).fetchone()
+    return parse_lsn(row[0]) if row and row[0] else 0
+
+
+def slot_status(config: Config) -> dict[str, object]:
+    with psycopg.connect(config.source.conninfo(), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn::text, pg_current_wal_lsn()::text, "
+            "pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, active, two_phase "
+            "FROM pg_replication_slots WHERE slot_name = %s", (config.source.slot,)).fetchone()
+    if row is None:
+        return {"slot": config.source.slot, "exists": False}
+    return {"slot": config.source.slot, "exists": True, "confirmed_flush_lsn": row[0], "current_wal_lsn": row[1],
+            "lag_bytes": row[2], "active": row[3], "two_phase": row[4]}
+
+
+
+def capture(config: Config, out: str, *, consume: bool = False) -> tuple[int, str]:
+    """Write what the slot holds (up to the current WAL position) to a capture file, plus manifest.json.
+
+    Returns (messages written, manifest path). The slot is advanced only with ``consume``.
+    """
+    import json
+    from pathlib import Path
+
+    from cdc_apply.sources.capture import PARQUET_SUFFIXES, write_jsonl, write_parquet
+
+    source = config.source
+    with psycopg.connect(source.conninfo(), autocommit=True) as conn:
+        check_source(conn, source, _has_configured_keys(config))
+        ensure_publication_and_slot(conn, source)
+        version = server_version_num(conn)
+        options = protocol_options(source, version)
+        upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+        raws = list(read_changes(conn, source.slot, options, upto_lsn=upto))
+        path = Path(out)
+        writer = write_parquet if path.suffix.lower() in PARQUET_SUFFIXES else write_jsonl
+        count = writer(path, raws)
+        manifest = path.with_name("manifest.json")
+        manifest.write_text(json.dumps({
+            "file": path.name, "messages": count, "server_version_num": version, "slot": source.slot,
+            "options": dict(options.as_pairs()), "first_lsn": format_lsn(raws[0].lsn) if raws else None,
+            "last_lsn": format_lsn(raws[-1].lsn) if raws else None}, indent=1))
+        if consume and raws:
+            assembler = Assembler(skip_origins=source.skip_origins)
+            try:
+                transactions = list(assembler.transactions(raws))
+                if transactions:
+                    advance_slot(conn, source.slot, assembler.safe_confirm_lsn(transactions[-1].end_lsn))
+            finally:
+                assembler.close()
+    return count, str(manifest)

@@ -1,0 +1,90 @@
+"""Before reading a slot: check the server, create the publication and slot when the config says so.
+
+Every problem is reported at once, each naming what to change (a server setting, a table, a
+config key), before any change is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import psycopg
+from psycopg import sql
+
+from cdc_apply.config import SourceConfig
+from cdc_apply.errors import CdcApplyError
+from cdc_apply.sources.slot import PgOutputOptions, create_slot, server_version_num
+
+log = logging.getLogger(__name__)
+
+
+class PreflightError(CdcApplyError):
+    """The source cannot be replicated as configured; the message lists every problem found."""
+
+
+def protocol_options(source: SourceConfig, version_num: int) -> PgOutputOptions:
+    """pgoutput options: the highest protocol the server speaks unless the config fixes one."""
+    highest = 4 if version_num >= 160000 else 3 if version_num >= 150000 else 2 if version_num >= 140000 else 1
+    proto = source.proto_version or highest
+    if proto > highest:
+        raise PreflightError(f"source.proto_version: {proto} needs a newer server (this one speaks up to {highest})")
+    streaming = source.streaming
+    if streaming is None:
+        streaming = "parallel" if proto >= 4 else "on" if proto >= 2 else None
+    return PgOutputOptions((source.publication,), proto, binary=source.binary, messages=source.messages,
+                           streaming=streaming, two_phase=source.two_phase, origin=source.origin)
+
+
+def check_source(conn: psycopg.Connection, source: SourceConfig,
+                 has_configured_keys: Callable[[str, str], bool]) -> None:
+    problems = []
+    settings = dict(conn.execute(
+        "SELECT name, setting FROM pg_settings WHERE name IN ('wal_level', 'max_replication_slots')").fetchall())
+    if settings.get("wal_level") != "logical":
+        problems.append(f"wal_level is {settings.get('wal_level')!r}; logical replication needs "
+                        "wal_level = logical (ALTER SYSTEM SET wal_level = logical, then restart)")
+    if int(settings.get("max_replication_slots", 0)) < 1:
+        problems.append("max_replication_slots is 0; set it to at least 1")
+    exists = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (source.publication,)).fetchone()
+    if not exists and not source.create_publication:
+        problems.append(f"publication {source.publication!r} does not exist; create it or set "
+                        "source.create_publication: true")
+    if exists:
+        for schema, table, identity, has_key in conn.execute(
+                "SELECT n.nspname, c.relname, c.relreplident, "
+                "EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND (i.indisprimary OR i.indisreplident)) "
+                "FROM pg_publication_tables p JOIN pg_namespace n ON n.nspname = p.schemaname "
+                "JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename WHERE p.pubname = %s",
+                (source.publication,)).fetchall():
+            if identity == "d" and not has_key and not has_configured_keys(schema, table):
+                problems.append(f"table {schema}.{table} has REPLICA IDENTITY DEFAULT and no primary key: give it "
+                                f"a primary key, REPLICA IDENTITY FULL, or set tables.\"{schema}.{table}\".keys")
+    if problems:
+        raise PreflightError("the source is not ready for logical replication:\n  - " + "\n  - ".join(problems))
+
+
+def ensure_publication_and_slot(conn: psycopg.Connection, source: SourceConfig) -> bool:
+    """Creates what the config asks for; returns True when the slot was created now."""
+    if source.create_publication and not conn.execute(
+            "SELECT 1 FROM pg_publication WHERE pubname = %s", (source.publication,)).fetchone():
+        if source.publication_tables:
+            tables = sql.SQL(", ").join(sql.Identifier(*name.split(".", 1)) for name in source.publication_tables)
+            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+                sql.Identifier(source.publication), tables))
+        else:
+            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(sql.Identifier(source.publication)))
+        log.info("created publication %s", source.publication)
+    row = conn.execute("SELECT plugin, two_phase FROM pg_replication_slots WHERE slot_name = %s",
+                       (source.slot,)).fetchone()
+    if row is None:
+        if not source.create_slot:
+            raise PreflightError(f"replication slot {source.slot!r} does not exist; create it or set "
+                                 "source.create_slot: true")
+        create_slot(conn, source.slot, two_phase=source.two_phase)
+        log.info("created slot %s (two_phase=%s)", source.slot, source.two_phase)
+        return True
+    if row[0] != "pgoutput":
+        raise PreflightError(f"source.slot: slot {source.slot!r} uses plugin {row[0]!r}, not pgoutput")
+    return False
+

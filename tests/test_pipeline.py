@@ -1,0 +1,127 @@
+"""`cdc-apply run` in SQL-interface batch mode against a real server: oracle, two-phase across runs,
+windows smaller than a transaction, preflight errors, and the run/status/capture verbs."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+import pytest
+
+from cdc_apply.config import parse_config
+from cdc_apply.pgserver import PgServer, available_bindirs
+from cdc_apply.pipeline import drain, slot_status
+from cdc_apply.sources.preflight import PreflightError
+from tests.delta_oracle import delta_rows, source_types
+from tests.reference_apply import postgres_rows
+from tests.test_decode_cli import _cli
+from tests.workloads import BIG_TEXT
+
+TABLES = {"public.orders": ["id", "customer", "amount", "note"], "public.events": ["a", "b"]}
+SCHEMA = """
+CREATE TABLE orders (id int PRIMARY KEY, customer text, amount numeric(10,2), note text);
+CREATE TABLE events (a int, b text);
+ALTER TABLE events REPLICA IDENTITY FULL;
+CREATE PUBLICATION "shop pub" FOR TABLE orders, events;
+"""
+
+
+def _config(server: PgServer, dbname: str, warehouse: str, **source: object):  # type: ignore[no-untyped-def]
+    return parse_config({"pipeline": "shop", "source": {"dsn": server.conninfo(dbname), "slot": "shop",
+                                                        "publication": "shop pub", "two_phase": True, **source},
+                         "target": {"warehouse": warehouse}, "batching": {"max_changes": 50}})
+
+
+def _assert_equal(spark, conn, warehouse):  # type: ignore[no-untyped-def]
+    for name, columns in TABLES.items():
+        truth = postgres_rows(conn, name, columns)
+        got = delta_rows(spark, f"{warehouse}/{name.replace('.', '/')}", columns, source_types(conn, name))
+        assert got == truth, name
+
+
+def test_runs_apply_everything_and_never_confirm_past_a_prepared_transaction(db18, spark, tmp_path):  # type: ignore[no-untyped-def]
+    server, dbname = db18
+    warehouse = str(tmp_path / "wh")
+    config = _config(server, dbname, warehouse)
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute(SCHEMA)
+        assert not drain(config, spark).batches  # creates the slot (two-phase)
+        conn.execute("INSERT INTO orders SELECT g, 'c' || g % 7, g * 1.5, NULL FROM generate_series(1, 300) g")
+        conn.execute(f"UPDATE orders SET note = {BIG_TEXT} WHERE id <= 3")
+        conn.execute("INSERT INTO events VALUES (1, 'x'), (3, 'x'), (2, NULL)")
+        conn.execute("SET logical_decoding_work_mem = '64kB'")
+        with conn.transaction():  # one transaction far larger than the 50-message window
+            conn.execute("INSERT INTO orders SELECT g, 'big', g, repeat('n', 100) FROM generate_series(1000, 2999) g")
+            conn.execute("DELETE FROM orders WHERE id BETWEEN 10 AND 20")
+        first = drain(config, spark)
+        assert len(first.batches) >= 2 and first.rounds >= 3 and first.confirmed_lsn
+        _assert_equal(spark, conn, warehouse)
+
+        conn.execute("UPDATE orders SET amount = amount + 1, customer = 'moved' WHERE id <= 5")
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO orders VALUES (5000, 'prepared', 1, NULL)")
+        conn.execute("PREPARE TRANSACTION 'g1'")
+        conn.execute("UPDATE events SET b = 'y' WHERE a = 2")
+        second = drain(config, spark)
+        assert second.batches
+        _assert_equal(spark, conn, warehouse)  # the prepared row is not visible in PostgreSQL either
+
+        conn.execute("COMMIT PREPARED 'g1'")
+        third = drain(config, spark)
+        assert third.batches
+        _assert_equal(spark, conn, warehouse)  # the prepared changes were kept for their commit
+        status = slot_status(config)
+        assert status["exists"] and status["two_phase"] and status["lag_bytes"] < 1_000_000
+
+        nothing = drain(config, spark)
+        assert not nothing.batches and nothing.confirmed_lsn is None
+
+
+def test_preflight_names_every_problem(db18, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server, dbname = db18
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute("CREATE TABLE nokey (a int, b text)")
+        conn.execute("CREATE PUBLICATION p FOR TABLE nokey")
+    config = _config(server, dbname, str(tmp_path), publication="p")
+    with pytest.raises(PreflightError, match=r'table public.nokey has REPLICA IDENTITY DEFAULT and no primary key.*'
+                                             r'tables."public.nokey".keys'):
+        drain(config, None)  # type: ignore[arg-type]
+    missing = _config(server, dbname, str(tmp_path), publication="nope", create_slot=False)
+    with pytest.raises(PreflightError, match="publication 'nope' does not exist; create it or set "
+                                             "source.create_publication: true"):
+        drain(missing, None)  # type: ignore[arg-type]
+
+    replica = PgServer(bindir=available_bindirs()["pg18"], settings={"wal_level": "replica"}).start()
+    try:
+        config = parse_config({"source": {"dsn": replica.dsn, "create_publication": True}})
+        with pytest.raises(PreflightError, match="wal_level is 'replica'; logical replication needs"):
+            drain(config, None)  # type: ignore[arg-type]
+    finally:
+        replica.stop()
+
+
+def test_capture_status_and_run_verbs(db18, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server, dbname = db18
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute(SCHEMA)
+    config = tmp_path / "shop.yaml"
+    config.write_text(json.dumps({"pipeline": "shop", "target": {"warehouse": str(tmp_path / "wh")},
+                                  "source": {"dsn": server.conninfo(dbname), "slot": "cli",
+                                             "publication": "shop pub"}}))
+    assert _cli("status", "--config", str(config)).returncode == 1  # no slot yet
+    capture = _cli("capture", "--config", str(config), "--out", str(tmp_path / "c.jsonl"))
+    assert capture.returncode == 0, capture.stderr  # creates the slot; nothing to capture yet
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute("INSERT INTO orders VALUES (1, 'a', 1, NULL), (2, 'b', 2, NULL)")
+        conn.execute("DELETE FROM orders WHERE id = 1")
+    capture = _cli("capture", "--config", str(config), "--out", str(tmp_path / "c.jsonl"))
+    assert capture.returncode == 0 and "wrote 8 messages" in capture.stdout, capture.stdout + capture.stderr
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["messages"] == 8 and manifest["options"]["publication_names"] == '"shop pub"'
+    before = json.loads(_cli("status", "--config", str(config)).stdout)
+    assert before["lag_bytes"] > 0
+    run = _cli("run", "--config", str(config), "--once")
+    assert run.returncode == 0, run.stderr
+    assert "public.orders" in run.stdout and "I        2 U        0 D        1" in run.stdout
+    after = json.loads(_cli("status", "--config", str(config)).stdout)
+    assert after["confirmed_flush_lsn"] != before["confirmed_flush_lsn"]
