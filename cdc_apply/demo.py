@@ -40,6 +40,20 @@ WORKLOAD = [
 ]
 
 
+def capture_demo(path: str) -> int:
+    """Run the demo workload on a throwaway embedded PostgreSQL and write its capture file."""
+    from cdc_apply.sources.capture import write_jsonl, write_parquet
+
+    with PgServer() as server, psycopg.connect(server.dsn, autocommit=True) as conn:
+        conn.execute(SETUP)
+        create_slot(conn, "demo")
+        for statement in WORKLOAD:
+            conn.execute(statement)
+        raws = list(read_changes(conn, "demo", PgOutputOptions(("demo_pub",), proto_version=2, streaming="on")))
+    writer = write_parquet if path.endswith(".parquet") else write_jsonl
+    return writer(path, raws)
+
+
 def run_demo(warehouse: str | None = None) -> None:
     from cdc_apply.apply import build_spark_session
 
