@@ -24,7 +24,7 @@ from cdc_apply.apply.collapse import Collapser
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.history import HistoryCollapser, merge_history
 from cdc_apply.apply.merge import merge_collapsed
-from cdc_apply.apply.options import METADATA_PREFIX, ApplyOptions, TableOptions
+from cdc_apply.apply.options import ApplyOptions, TableOptions
 from cdc_apply.apply.schema import RenameTargetColumn, describe, diff, initial_columns, plan, relation_columns
 from cdc_apply.apply.targets import SourceState, Target, TargetRegistry, metadata_columns
 from cdc_apply.assemble import Transaction
@@ -143,7 +143,7 @@ class BatchApplier:
             result.skipped = True
             return result
         collapsed = collapser.result
-        data_types = {n: t for n, t in target.column_types().items() if not n.startswith(METADATA_PREFIX)}
+        data_types = target.data_types()
         metadata = {"cdc_apply": "merge", "pipeline": self.options.pipeline, "relation_oid": oid,
                     "source": qualified, "first_lsn": format_lsn(collapsed.first_lsn or 0),
                     "last_lsn": format_lsn(collapsed.last_lsn or 0), "ops": dict(collapsed.op_counts)}
@@ -211,7 +211,7 @@ class BatchApplier:
         if not events:
             return state, {}
         where = f"{segment.qualified_name} at LSN {format_lsn(position[0])}"
-        data_types = {n: t for n, t in target.column_types().items() if not n.startswith(METADATA_PREFIX)}
+        data_types = target.data_types()
         decided = plan(events, state.columns, current, data_types, options.schema_policy, where)
         targets = {col.name: col.target for col in decided.columns}
         renamed_keys = {a.old for a in decided.actions if isinstance(a, RenameTargetColumn)}

@@ -8,29 +8,23 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cdc_apply.apply.schema import (
     AddTargetColumn, DropTargetColumn, RenameTargetColumn, RetypeTargetColumn, TargetAction, WidenTargetColumn,
 )
+from cdc_apply.apply.sessionconf import USER_METADATA, session_conf
 from cdc_apply.apply.targets import SOURCE_PROPERTY, SourceState, Target, quote, sql_string
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
-USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
 
 
-@contextmanager
-def commit_metadata(spark: SparkSession, metadata: dict[str, object]) -> Iterator[None]:
-    spark.conf.set(USER_METADATA, json.dumps(metadata, sort_keys=True))
-    try:
-        yield
-    finally:
-        spark.conf.unset(USER_METADATA)
+def commit_metadata(spark: SparkSession, metadata: dict[str, object]):  # type: ignore[no-untyped-def]
+    return session_conf(spark, {USER_METADATA: json.dumps(metadata, sort_keys=True)})
 
 
 def apply_actions(target: Target, actions: Sequence[TargetAction], state: SourceState, lsn: str) -> None:

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 
 from cdc_apply.apply.collapse import Collapser, Key, KeyState, TruncateMark
-from cdc_apply.apply.merge import OP, arrow_column, delta_commit_conf, fetch_target_rows
+from cdc_apply.apply.merge import OP, arrow_column, fetch_target_rows, typed_frame
+from cdc_apply.apply.sessionconf import delta_commit_conf
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, CURRENT, VALID_FROM, VALID_TO
 from cdc_apply.apply.targets import Target, quote
-
-if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
 
 CLOSE_TS = "_cdc_close_ts"
 
@@ -108,7 +106,6 @@ def merge_history(target: Target, collapser: HistoryCollapser, data_types: Mappi
     found = versions(collapser)
     _fill_from_target(target, keys, found)
     closes = [(key, timeline.close_target_at) for key, timeline in collapser.timelines.items()]
-    size = len(closes) + len(found)
     columns: dict[str, list[Any]] = {name: [] for name in data_types}
     for key, _ in closes:
         image = dict(zip(keys, key))
@@ -124,10 +121,7 @@ def merge_history(target: Target, collapser: HistoryCollapser, data_types: Mappi
     arrays[COMMIT_TS] = pa.array([None] * len(closes) + [v.state.commit_ts for v in found],
                                  pa.timestamp("us", tz="UTC"))
     arrays[VALID_TO] = pa.array([None] * len(closes) + [v.valid_to for v in found], pa.timestamp("us", tz="UTC"))
-    assert all(len(a) == size for a in arrays.values())
-    frame: DataFrame = spark.createDataFrame(pa.table(arrays))
-    source = frame.select([F.col(quote(n)).cast(data_types[n]).alias(n) if n in data_types else F.col(quote(n))
-                           for n in frame.columns])
+    source = typed_frame(spark, arrays, data_types)
     condition = f"s.{OP} = 'C' AND t.{CURRENT} AND " + " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys)
     inserts = {quote(n): F.col(f"s.{quote(n)}") for n in data_types} | {
         quote(COMMIT_LSN): F.col(f"s.{COMMIT_LSN}"), quote(COMMIT_TS): F.col(f"s.{COMMIT_TS}"),

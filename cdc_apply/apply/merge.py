@@ -11,14 +11,13 @@ version the target already has.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from cdc_apply.apply.collapse import Collapsed, Key
-from cdc_apply.apply.evolve import USER_METADATA
+from cdc_apply.apply.sessionconf import delta_commit_conf
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED, TableOptions
 from cdc_apply.apply.targets import Target, quote
 from cdc_apply.errors import CdcApplyError
@@ -28,21 +27,6 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 OP, KEEP = "_cdc_op", "_cdc_keep"
-TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
-TXN_VERSION = "spark.databricks.delta.write.txnVersion"
-
-
-@contextmanager
-def delta_commit_conf(spark: SparkSession, app_id: str, version: int, user_metadata: str) -> Iterator[None]:
-    conf = {TXN_APP_ID: app_id, TXN_VERSION: str(version), USER_METADATA: user_metadata}
-    for key, value in conf.items():
-        spark.conf.set(key, value)
-    try:
-        yield
-    finally:
-        for key in conf:
-            spark.conf.unset(key)
-
 
 def fetch_target_rows(target: Target, keys: Sequence[str], wanted: Iterable[Key],
                       where: str | None = None) -> dict[Key, dict[str, Any]]:
@@ -101,9 +85,14 @@ def source_frame(spark: SparkSession, collapsed: Collapsed, data_types: Mapping[
     arrays[KEEP] = pa.array(keeps, pa.list_(pa.string()))
     arrays[COMMIT_LSN] = pa.array(lsns, pa.int64())
     arrays[COMMIT_TS] = pa.array(timestamps, pa.timestamp("us", tz="UTC"))
-    frame = spark.createDataFrame(pa.table(arrays))
+    return typed_frame(spark, arrays, data_types)
+
+
+def typed_frame(spark: SparkSession, arrays: Mapping[str, pa.Array], data_types: Mapping[str, str]) -> DataFrame:
+    """A DataFrame of Arrow columns, the data columns cast to the target's types."""
     from pyspark.sql import functions as F
 
+    frame = spark.createDataFrame(pa.table(dict(arrays)))
     # Arrow cannot say timestamp_ntz or every Spark type exactly: cast to the target's types.
     return frame.select([F.col(quote(n)).cast(data_types[n]).alias(n) if n in data_types else F.col(quote(n))
                          for n in frame.columns])

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, CURRENT, DELETED, VALID_FROM, VALID_TO, TableOptions
+from cdc_apply.apply.options import (
+    COMMIT_LSN, COMMIT_TS, CURRENT, DELETED, METADATA_PREFIX, VALID_FROM, VALID_TO, TableOptions,
+)
 from cdc_apply.apply.schema import SourceColumn
 
 if TYPE_CHECKING:
@@ -104,6 +106,10 @@ class Target:
 
     def column_types(self) -> dict[str, str]:
         return {f.name: f.dataType.simpleString() for f in self.read().schema.fields}
+
+    def data_types(self) -> dict[str, str]:
+        """The source-fed columns (everything but the ``_cdc_`` metadata columns)."""
+        return {name: kind for name, kind in self.column_types().items() if not name.startswith(METADATA_PREFIX)}
 
     def properties(self) -> dict[str, str]:
         return dict(self.delta().detail().select("properties").first()[0] or {})

@@ -14,7 +14,7 @@ from psycopg import sql
 
 from cdc_apply.config import SourceConfig
 from cdc_apply.errors import CdcApplyError
-from cdc_apply.sources.slot import PgOutputOptions, create_slot, server_version_num
+from cdc_apply.sources.slot import PgOutputOptions, create_slot
 
 log = logging.getLogger(__name__)
 
