@@ -71,15 +71,24 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from cdc_apply.apply import build_spark_session
     from cdc_apply.config import load_config
-    from cdc_apply.pipeline import StopFlag, drain, follow
+    from cdc_apply.pipeline import StopFlag, drain
     from cdc_apply.replay import print_summary
 
     config = load_config(args.config)
     spark = build_spark_session(config.spark)
     with StopFlag().on_signals() as stop:
-        summary = follow(config, spark, stop) if args.follow else drain(config, spark, stop=stop)
-    print_summary(summary.batches, sys.stdout)
-    confirmed = summary.confirmed_lsn
+        if args.follow:
+            from cdc_apply.live import follow
+
+            live = follow(config, spark, stop)
+            batches, confirmed = live.batches, live.confirmed_lsn
+        else:
+            summary = drain(config, spark, stop=stop)
+            batches, confirmed = summary.batches, summary.confirmed_lsn
+    print_summary(batches, sys.stdout)
+    if args.follow and live.lag_seconds:
+        print(f"lag commit -> Delta: p50 {live.lag_percentile(0.5):.2f} s, p99 {live.lag_percentile(0.99):.2f} s; "
+              f"reconnects {live.reconnects}")
     print(f"slot {config.source.slot} confirmed to {format_lsn(confirmed) if confirmed else '(unchanged)'}")
     return EXIT_OK
 
@@ -134,12 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--max-changes", type=int, default=None,
                         help="cut batches after this many changes (default: batching.max_changes)")
 
-    run = verb("run", _cmd_run, "apply a slot's changes to Delta (SQL-interface batches), then confirm")
+    run = verb("run", _cmd_run, "apply a slot's changes to Delta, then confirm them")
     run.add_argument("--config", required=True, help="YAML config")
     mode = run.add_mutually_exclusive_group()
     mode.add_argument("--once", action="store_true", help="take what the slot holds now and exit (default)")
     mode.add_argument("--follow", action="store_true",
-                      help="keep polling every batching.max_seconds until SIGTERM/SIGINT")
+                      help="stream from the walsender until SIGTERM/SIGINT (batches by batching.max_changes "
+                           "or batching.max_seconds)")
 
     status = verb("status", _cmd_status, "print the slot's confirmed position and lag as JSON")
     status.add_argument("--config", required=True, help="YAML config")

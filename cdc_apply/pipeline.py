@@ -1,4 +1,5 @@
-"""The loop that joins source -> decode -> assemble -> apply -> confirm (SQL-interface batch mode).
+"""SQL-interface batch mode (`run --once`): peek -> decode -> assemble -> apply -> advance. The walsender
+loop for `run --follow` is `cdc_apply.live`.
 
 Each round peeks at most ``batching.max_changes`` messages from the slot (whole transactions, up to
 the WAL position the run started at), applies the committed transactions, and only then advances
@@ -27,7 +28,8 @@ from cdc_apply.assemble import Assembler
 from cdc_apply.config import Config
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
-from cdc_apply.sources.slot import advance_slot, read_changes, server_version_num
+from cdc_apply.failpoints import failpoint
+from cdc_apply.sources.slot import PgOutputOptions, advance_slot, read_changes, server_version_num
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -66,14 +68,24 @@ def _has_configured_keys(config: Config) -> Callable[[str, str], bool]:
     return lambda schema, table: bool(options.for_table(schema, table).keys)
 
 
+def _prepare(conn: psycopg.Connection, config: Config) -> PgOutputOptions:
+    """Check the source, create what the config asks for, and choose the protocol options."""
+    check_source(conn, config.source, _has_configured_keys(config))
+    ensure_publication_and_slot(conn, config.source)
+    return protocol_options(config.source, server_version_num(conn))
+
+
+def prepare_source(config: Config) -> PgOutputOptions:
+    with psycopg.connect(config.source.conninfo(), autocommit=True) as conn:
+        return _prepare(conn, config)
+
+
 def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) -> RunSummary:
     """Apply everything the slot holds up to the current WAL position, then return."""
     summary = RunSummary()
     source = config.source
     with psycopg.connect(source.conninfo(), autocommit=True) as conn:
-        check_source(conn, source, _has_configured_keys(config))
-        ensure_publication_and_slot(conn, source)
-        options = protocol_options(source, server_version_num(conn))
+        options = _prepare(conn, config)
         upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
         applier = BatchApplier(spark, config.apply_options())
         log.info("reading slot %s of %s up to %s", source.slot, source.describe(), format_lsn(upto))
@@ -85,8 +97,10 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
                 raws = list(read_changes(conn, source.slot, options, upto_lsn=upto, upto_nchanges=limit))
                 if not raws:
                     break
+                failpoint("after_receive")
                 transactions = list(assembler.transactions(raws))
                 if transactions:
+                    failpoint("after_decode")
                     summary.batches.append(applier.apply(transactions))
                 confirm = assembler.safe_confirm_lsn(transactions[-1].end_lsn) if transactions else 0
             finally:
@@ -96,23 +110,12 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
                     limit *= 2  # one transaction is larger than the window: widen it and read again
                     continue
                 break  # only undecided (prepared or open streamed) transactions are left
+            failpoint("before_confirm")
             advance_slot(conn, source.slot, confirm)
             summary.confirmed_lsn = confirm
             limit = config.batching.max_changes
             log.info("confirmed slot %s to %s", source.slot, format_lsn(confirm))
     return summary
-
-
-def follow(config: Config, spark: SparkSession, stop: StopFlag) -> RunSummary:
-    """Drain, wait ``batching.max_seconds``, drain again, until stopped (SQL-interface polling)."""
-    total = RunSummary()
-    while not stop.event.is_set():
-        summary = drain(config, spark, stop=stop)
-        total.batches += summary.batches
-        total.rounds += summary.rounds
-        total.confirmed_lsn = summary.confirmed_lsn or total.confirmed_lsn
-        stop.event.wait(config.batching.max_seconds)
-    return total
 
 
 def _confirmed_flush(conn: psycopg.Connection, slot: str) -> int:
@@ -146,10 +149,8 @@ def capture(config: Config, out: str, *, consume: bool = False) -> tuple[int, st
 
     source = config.source
     with psycopg.connect(source.conninfo(), autocommit=True) as conn:
-        check_source(conn, source, _has_configured_keys(config))
-        ensure_publication_and_slot(conn, source)
+        options = _prepare(conn, config)
         version = server_version_num(conn)
-        options = protocol_options(source, version)
         upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
         raws = list(read_changes(conn, source.slot, options, upto_lsn=upto))
         path = Path(out)

@@ -30,6 +30,7 @@ from cdc_apply.apply.targets import SourceState, Target, TargetRegistry, metadat
 from cdc_apply.assemble import Transaction
 from cdc_apply.changes import ChangeRowBuilder, TableChanges
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput import messages as m
 
@@ -87,7 +88,11 @@ class BatchApplier:
         by_table: dict[int, list[TableChanges]] = {}
         for segment in self.rows.build(transactions):
             by_table.setdefault(segment.relation.oid, []).append(segment)
-        results = [self.apply_table(oid, segments, version) for oid, segments in by_table.items()]
+        results = []
+        for index, (oid, segments) in enumerate(by_table.items()):
+            if index:
+                failpoint("between_tables")
+            results.append(self.apply_table(oid, segments, version))
         return BatchResult(len(transactions), transactions[0].commit_lsn, version,
                            [r for r in results if r is not None], time.perf_counter() - started)
 

@@ -61,13 +61,11 @@ def bench_decode(messages: int = 500_000, binary: bool = False) -> dict[str, flo
         commits = 0
         started = time.perf_counter()
         stream.start()
-        for frame in stream.frames():
-            if isinstance(frame, XLogData):
-                raws.append(RawMessage(frame.start_lsn, None, frame.payload))
-                if frame.payload[:1] == b"C":
-                    commits += 1
-                    if commits == transactions:
-                        break
+        while commits < transactions:
+            for frame in stream.read(timeout=5.0):
+                if isinstance(frame, XLogData):
+                    raws.append(RawMessage(frame.start_lsn, None, frame.payload))
+                    commits += frame.payload[:1] == b"C"
         delivery_seconds = time.perf_counter() - started
         stream.close()
 

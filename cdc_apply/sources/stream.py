@@ -1,11 +1,15 @@
 """The walsender: START_REPLICATION ... LOGICAL over a psycopg replication connection (COPY BOTH).
 
-This is the framing loop only; reconnects, status cadence and the pipeline come with the live source.
+``WalSenderStream`` reads frames without blocking past a deadline, answers keepalives that ask
+for a reply, and sends standby status updates. What to confirm is the caller's decision
+(``cdc_apply.live``): this module never reports a flush position on its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import select
+import time
+from datetime import datetime, timezone
 
 import psycopg
 from psycopg import pq
@@ -15,43 +19,86 @@ from cdc_apply.lsn import datetime_to_pg_us, format_lsn
 from cdc_apply.pgoutput.framing import Keepalive, XLogData, decode_copy_data, encode_standby_status
 from cdc_apply.sources.slot import PgOutputOptions
 
+Frame = XLogData | Keepalive
+
+
+class StreamLost(CdcApplyError):
+    """The replication connection ended or failed; the caller reconnects."""
+
+
+def start_replication_command(slot: str, options: PgOutputOptions, start_lsn: int) -> str:
+    pairs = ", ".join(f"\"{key}\" '{value.replace(chr(39), chr(39) * 2)}'"
+                      for key, value in options.as_pairs(for_walsender=True))
+    return f'START_REPLICATION SLOT "{slot.replace(chr(34), chr(34) * 2)}" LOGICAL {format_lsn(start_lsn)} ({pairs})'
+
 
 class WalSenderStream:
-    def __init__(self, conninfo: str, slot: str, options: PgOutputOptions, start_lsn: int = 0) -> None:
-        self.conn = psycopg.connect(conninfo, autocommit=True, replication="database")
+    """One replication connection in COPY BOTH mode.
+
+    ``start_lsn = 0`` lets the server start at the slot's confirmed position.
+    """
+
+    def __init__(self, conninfo: str, slot: str, options: PgOutputOptions, start_lsn: int = 0,
+                 connect_timeout: int = 10) -> None:
+        try:
+            self.conn = psycopg.connect(conninfo, autocommit=True, replication="database",
+                                        connect_timeout=connect_timeout)
+        except psycopg.OperationalError as exc:
+            raise StreamLost(f"cannot open a replication connection: {exc}") from None
         self.slot = slot
         self.options = options
         self.start_lsn = start_lsn
+        self.received_lsn = start_lsn  # highest WAL position seen in XLogData or a keepalive
+        self.last_status_at = 0.0
 
     def start(self) -> None:
-        pairs = ", ".join(f"\"{key}\" '{value.replace(chr(39), chr(39) * 2)}'"
-                          for key, value in self.options.as_pairs(for_walsender=True))
-        command = f'START_REPLICATION SLOT "{self.slot}" LOGICAL {format_lsn(self.start_lsn)} ({pairs})'
         pgconn = self.conn.pgconn
-        pgconn.send_query(command.encode())
+        pgconn.send_query(start_replication_command(self.slot, self.options, self.start_lsn).encode())
         result = pgconn.get_result()
         if result is None or result.status != pq.ExecStatus.COPY_BOTH:
             message = pgconn.get_error_message() if result is None else result.get_error_message()
-            raise CdcApplyError(f"START_REPLICATION on slot {self.slot} failed: {message}")
+            raise CdcApplyError(f"START_REPLICATION on slot {self.slot} failed: "
+                                f"{message.decode(errors='replace') if isinstance(message, bytes) else message}")
 
-    def frames(self) -> Iterator[XLogData | Keepalive]:
-        """Blocks for each frame; ends when the server ends the copy."""
+    def read(self, timeout: float, max_frames: int = 10_000) -> list[Frame]:
+        """The frames that arrive within ``timeout`` seconds (returns as soon as some are in)."""
         pgconn = self.conn.pgconn
-        while True:
-            size, data = pgconn.get_copy_data(0)
-            if size == -1:
-                return
-            if size == -2:
-                raise CdcApplyError(f"replication stream failed: {pgconn.get_error_message()}")
-            yield decode_copy_data(bytes(data))
+        frames: list[Frame] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while len(frames) < max_frames:
+                size, data = pgconn.get_copy_data(1)
+                if size > 0:
+                    frame = decode_copy_data(bytes(data))
+                    self.received_lsn = max(self.received_lsn, frame.wal_end if isinstance(frame, Keepalive)
+                                            else frame.start_lsn)
+                    frames.append(frame)
+                    continue
+                if size == -1:
+                    raise StreamLost(f"the server ended the replication stream of slot {self.slot}")
+                if size == -2:
+                    raise StreamLost(f"replication stream of slot {self.slot} failed: "
+                                     f"{pgconn.get_error_message().decode(errors='replace')}")
+                remaining = deadline - time.monotonic()
+                if frames or remaining <= 0:
+                    break
+                readable, _, _ = select.select([pgconn.socket], [], [], remaining)
+                if readable:
+                    pgconn.consume_input()
+        except psycopg.OperationalError as exc:
+            raise StreamLost(f"replication connection lost: {exc}") from None
+        return frames
 
     def send_status(self, flushed_lsn: int, reply_requested: bool = False) -> None:
-        from datetime import datetime, timezone
-
+        """Report ``flushed_lsn`` as written, flushed and applied: the slot may advance to it."""
         now = datetime_to_pg_us(datetime.now(timezone.utc))
-        self.conn.pgconn.put_copy_data(encode_standby_status(flushed_lsn, flushed_lsn, flushed_lsn, now,
-                                                             reply_requested))
-        self.conn.pgconn.flush()
+        try:
+            self.conn.pgconn.put_copy_data(encode_standby_status(max(self.received_lsn, flushed_lsn), flushed_lsn,
+                                                                 flushed_lsn, now, reply_requested))
+            self.conn.pgconn.flush()
+        except psycopg.OperationalError as exc:
+            raise StreamLost(f"replication connection lost: {exc}") from None
+        self.last_status_at = time.monotonic()
 
     def close(self) -> None:
         self.conn.close()

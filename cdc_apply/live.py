@@ -1,0 +1,180 @@
+"""`cdc-apply run --follow`: the walsender loop. receive -> decode/assemble -> apply -> confirm.
+
+Invariants:
+- The flush position reported to the server (and so the slot's ``confirmed_flush_lsn``) is only
+  ever ``self.confirmed``, which moves in two ways:
+  1. after a batch, to ``Assembler.safe_confirm_lsn(last applied commit's end)``, and only after
+     ``BatchApplier.apply`` returned, i.e. every target's Delta commit is durable; never past an
+     open streamed or a prepared-but-undecided transaction;
+  2. when idle (nothing received but unapplied, nothing in flight in the assembler), to the
+     keepalive's WAL end, so a quiet slot does not hold WAL back. Transactions still running on
+     the server commit after that point and are sent whole later.
+- A reconnect starts at the slot's confirmed position with a fresh Assembler: the server re-sends
+  every transaction not confirmed, and the targets' Delta transaction versions skip the ones
+  that were applied but not yet confirmed.
+- While a batch is applied, a heartbeat thread keeps sending the last confirmed position, so a
+  long MERGE does not trip ``wal_sender_timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cdc_apply.apply.batch import BatchApplier, BatchResult
+from cdc_apply.assemble import Assembler, Transaction
+from cdc_apply.config import Config
+from cdc_apply.failpoints import failpoint
+from cdc_apply.lsn import format_lsn, pg_us_to_unix_us
+from cdc_apply.pgoutput.framing import Keepalive
+from cdc_apply.pipeline import StopFlag, prepare_source
+from cdc_apply.sources.raw import RawMessage
+from cdc_apply.sources.slot import PgOutputOptions
+from cdc_apply.sources.stream import StreamLost, WalSenderStream
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+STATUS_INTERVAL_S = 10.0
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+
+
+@dataclass
+class LiveSummary:
+    batches: list[BatchResult] = field(default_factory=list)
+    lag_seconds: list[float] = field(default_factory=list)  # commit in PostgreSQL -> visible in Delta
+    confirmed_lsn: int | None = None
+    reconnects: int = 0
+
+    def lag_percentile(self, fraction: float) -> float | None:
+        if not self.lag_seconds:
+            return None
+        ordered = sorted(self.lag_seconds)
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+class LiveReplicator:
+    def __init__(self, config: Config, spark: SparkSession, stop: StopFlag) -> None:
+        self.config = config
+        self.stop = stop
+        self.applier = BatchApplier(spark, config.apply_options())
+        self.summary = LiveSummary()
+        self.confirmed = 0
+
+    def run(self) -> LiveSummary:
+        options = prepare_source(self.config)
+        backoff = BACKOFF_START_S
+        while not self.stop.event.is_set():
+            try:
+                if self._session(options):
+                    backoff = BACKOFF_START_S
+            except StreamLost as exc:
+                self.summary.reconnects += 1
+                log.warning("%s; reconnecting in %.1f s", exc, backoff)
+                self.stop.event.wait(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+        return self.summary
+
+    def _session(self, options: PgOutputOptions) -> bool:
+        """One replication connection, until stopped or lost. True when it applied something."""
+        source, batching = self.config.source, self.config.batching
+        stream = WalSenderStream(source.conninfo(), source.slot, options)
+        assembler = Assembler(spill_bytes=batching.spill_bytes, skip_origins=source.skip_origins)
+        pending: list[Transaction] = []
+        pending_changes = 0
+        pending_since = 0.0
+        progressed = False
+        try:
+            stream.start()
+            log.info("streaming slot %s of %s", source.slot, source.describe())
+            while not self.stop.event.is_set():
+                wait = batching.max_seconds - (time.monotonic() - pending_since) if pending else 1.0
+                frames = stream.read(timeout=max(0.0, min(wait, 1.0)))
+                idle_end = None
+                reply = False
+                raws = []
+                for frame in frames:
+                    if isinstance(frame, Keepalive):
+                        idle_end = frame.wal_end
+                        reply = reply or frame.reply_requested
+                    else:
+                        raws.append(RawMessage(frame.start_lsn, None, frame.payload, "walsender"))
+                if raws:
+                    failpoint("after_receive")
+                for raw in raws:
+                    for event in assembler.feed(raw):
+                        if isinstance(event, Transaction):
+                            if not pending:
+                                pending_since = time.monotonic()
+                            pending.append(event)
+                            pending_changes += len(event.changes)
+                if pending and (pending_changes >= batching.max_changes
+                                or time.monotonic() - pending_since >= batching.max_seconds):
+                    failpoint("after_decode")
+                    self._apply(stream, assembler, pending)
+                    pending, pending_changes, progressed = [], 0, True
+                elif not pending and idle_end is not None and not raws:
+                    idle_confirm = assembler.safe_confirm_lsn(idle_end)
+                    if idle_confirm > self.confirmed:
+                        self._confirm(stream, idle_confirm)
+                        reply = False
+                if reply or time.monotonic() - stream.last_status_at >= STATUS_INTERVAL_S:
+                    stream.send_status(self.confirmed)
+            if pending:  # stopping: finish what was received, so a clean stop loses no work
+                self._apply(stream, assembler, pending)
+                progressed = True
+        finally:
+            assembler.close()
+            stream.close()
+        return progressed
+
+    def _apply(self, stream: WalSenderStream, assembler: Assembler, batch: list[Transaction]) -> None:
+        with _heartbeat(stream, self.confirmed):
+            result = self.applier.apply(batch)
+        visible_at = time.time()
+        self.summary.batches.append(result)
+        self.summary.lag_seconds += [visible_at - pg_us_to_unix_us(t.commit_ts) / 1e6 for t in batch]
+        failpoint("before_confirm")
+        self._confirm(stream, assembler.safe_confirm_lsn(batch[-1].end_lsn))
+
+    def _confirm(self, stream: WalSenderStream, lsn: int) -> None:
+        if lsn <= self.confirmed:
+            return
+        stream.send_status(lsn)
+        self.confirmed = lsn
+        self.summary.confirmed_lsn = lsn
+        log.debug("confirmed slot %s to %s", self.config.source.slot, format_lsn(lsn))
+
+
+@contextmanager
+def _heartbeat(stream: WalSenderStream, confirmed: int) -> Iterator[None]:
+    """Send status updates from a thread while the caller is busy (and not using the connection)."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(STATUS_INTERVAL_S):
+            try:
+                stream.send_status(confirmed)
+            except StreamLost:
+                return
+
+    thread = threading.Thread(target=beat, name="walsender-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def follow(config: Config, spark: SparkSession, stop: StopFlag) -> LiveSummary:
+    return LiveReplicator(config, spark, stop).run()
+
