@@ -123,6 +123,11 @@ class BatchingConfig(_Strict):
     spill_bytes: int = Field(64 * 1024 * 1024, ge=1024)
 
 
+class SnapshotConfig(_Strict):
+    enabled: bool = True  # copy each published table before streaming its changes
+    chunk_rows: int = Field(100_000, ge=1)
+
+
 class Config(_Strict):
     pipeline: str = Field("cdc_apply", pattern=r"^[A-Za-z0-9_.\-]+$")
     source: SourceConfig = SourceConfig()
@@ -130,6 +135,7 @@ class Config(_Strict):
     defaults: TableConfig = TableConfig()
     tables: dict[str, TableConfig] = {}
     batching: BatchingConfig = BatchingConfig()
+    snapshot: SnapshotConfig = SnapshotConfig()
     spark: dict[str, str] = {}
 
     def apply_options(self) -> ApplyOptions:

@@ -33,6 +33,7 @@ from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn, pg_us_to_unix_us
 from cdc_apply.pgoutput.framing import Keepalive
 from cdc_apply.pipeline import StopFlag, prepare_source
+from cdc_apply.snapshot import Snapshotter, TableSnapshot
 from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import PgOutputOptions
 from cdc_apply.sources.stream import StreamLost, WalSenderStream
@@ -53,6 +54,7 @@ class LiveSummary:
     lag_seconds: list[float] = field(default_factory=list)  # commit in PostgreSQL -> visible in Delta
     confirmed_lsn: int | None = None
     reconnects: int = 0
+    snapshots: list[TableSnapshot] = field(default_factory=list)
 
     def lag_percentile(self, fraction: float) -> float | None:
         if not self.lag_seconds:
@@ -66,11 +68,13 @@ class LiveReplicator:
         self.config = config
         self.stop = stop
         self.applier = BatchApplier(spark, config.apply_options())
+        self.snapshotter = Snapshotter(config, self.applier)
         self.summary = LiveSummary()
         self.confirmed = 0
 
     def run(self) -> LiveSummary:
         options = prepare_source(self.config)
+        self.summary.snapshots += self.snapshotter.sync()
         backoff = BACKOFF_START_S
         while not self.stop.event.is_set():
             try:
@@ -138,6 +142,7 @@ class LiveReplicator:
 
     def _apply(self, stream: WalSenderStream, assembler: Assembler, batch: list[Transaction]) -> None:
         with _heartbeat(stream, self.confirmed):
+            self.summary.snapshots += self.snapshotter.sync_new(batch)
             result = self.applier.apply(batch)
         visible_at = time.time()
         self.summary.batches.append(result)

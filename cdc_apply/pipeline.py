@@ -29,6 +29,7 @@ from cdc_apply.config import Config
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.failpoints import failpoint
+from cdc_apply.snapshot import Snapshotter, TableSnapshot
 from cdc_apply.sources.slot import PgOutputOptions, advance_slot, read_changes, server_version_num
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class RunSummary:
     batches: list[BatchResult] = field(default_factory=list)
     confirmed_lsn: int | None = None
     rounds: int = 0
+    snapshots: list[TableSnapshot] = field(default_factory=list)
 
 
 class StopFlag:
@@ -88,6 +90,8 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
         options = _prepare(conn, config)
         upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
         applier = BatchApplier(spark, config.apply_options())
+        snapshotter = Snapshotter(config, applier)
+        summary.snapshots += snapshotter.sync()
         log.info("reading slot %s of %s up to %s", source.slot, source.describe(), format_lsn(upto))
         limit = config.batching.max_changes
         while stop is None or not stop.event.is_set():
@@ -101,6 +105,7 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
                 transactions = list(assembler.transactions(raws))
                 if transactions:
                     failpoint("after_decode")
+                    summary.snapshots += snapshotter.sync_new(transactions)
                     summary.batches.append(applier.apply(transactions))
                 confirm = assembler.safe_confirm_lsn(transactions[-1].end_lsn) if transactions else 0
             finally:

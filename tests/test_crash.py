@@ -29,16 +29,16 @@ RANDOM_KILLS = 20
 
 
 class Job:
-    """`cdc-apply run --follow` as a child process; its output goes to a log file."""
+    """`cdc-apply run --follow` (or ``--once``) as a child process; its output goes to a log file."""
 
-    def __init__(self, config: Path, log: Path, failpoint: str | None = None) -> None:
+    def __init__(self, config: Path, log: Path, failpoint: str | None = None, once: bool = False) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("CDC_APPLY_FAILPOINT", None)
         if failpoint:
             env["CDC_APPLY_FAILPOINT"] = failpoint
         self.log = log
         self.streaming = threading.Event()
-        self.process = subprocess.Popen([sys.executable, "-m", "cdc_apply.cli", "run", "--follow", "--config",
+        self.process = subprocess.Popen([sys.executable, "-m", "cdc_apply.cli", "run", "--once" if once else "--follow", "--config",
                                          str(config)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True)
         self.reader = threading.Thread(target=self._read, daemon=True)

@@ -79,7 +79,9 @@ class BatchApplier:
         self.rows = rows or ChangeRowBuilder()
         self.registry = TargetRegistry(options.warehouse)
 
-    def apply(self, transactions: Iterable[Transaction]) -> BatchResult:
+    def apply(self, transactions: Iterable[Transaction], *, snapshot: bool = False) -> BatchResult:
+        """``snapshot``: the transactions are initial-snapshot chunks for tables the caller cleared
+        (inserts only, appended; no transaction ids; the caller records the sync point)."""
         started = time.perf_counter()
         transactions = list(transactions)
         if not transactions:
@@ -92,9 +94,12 @@ class BatchApplier:
         for index, (oid, segments) in enumerate(by_table.items()):
             if index:
                 failpoint("between_tables")
-            results.append(self.apply_table(oid, segments, version))
+            results.append(self.apply_table(oid, segments, version, snapshot))
         return BatchResult(len(transactions), transactions[0].commit_lsn, version,
                            [r for r in results if r is not None], time.perf_counter() - started)
+
+    def app_id(self, oid: int) -> str:
+        return f"{self.options.pipeline}/{oid}"
 
     def target(self, relation: m.Relation, options: TableOptions) -> tuple[Target, bool]:
         entry = self.registry.get(relation.oid)
@@ -104,7 +109,19 @@ class BatchApplier:
             return Target(self.spark, location, by_name), False
         return Target(self.spark, entry["location"], entry["by_name"]), True
 
-    def apply_table(self, oid: int, segments: list[TableChanges], version: int) -> TableResult | None:
+    def ensure_target(self, relation: m.Relation, position: tuple[int, int]) -> tuple[Target, bool]:
+        """The relation's target, created (empty) and registered if needed; True when it existed."""
+        options = self.options.for_table(relation.namespace, relation.name)
+        target, registered = self.target(relation, options)
+        existed = target.exists()
+        if not existed:
+            self._create(target, relation, options, position)
+        if not registered:
+            self.registry.add(relation.oid, target.location, target.by_name, relation.namespace, relation.name)
+        return target, existed
+
+    def apply_table(self, oid: int, segments: list[TableChanges], version: int,
+                    snapshot: bool = False) -> TableResult | None:
         started = time.perf_counter()
         relation = segments[0].relation
         qualified = f"{relation.namespace}.{relation.name}"
@@ -113,9 +130,9 @@ class BatchApplier:
             return None
         target, registered = self.target(relation, options)
         result = TableResult(qualified, target.location)
-        app_id = f"{self.options.pipeline}/{oid}"
+        app_id = self.app_id(oid)
         exists = target.exists()  # also when the registry was lost: the table holds its own state
-        done = target.committed_version(app_id) if exists else None
+        done = target.committed_version(app_id) if exists and not snapshot else None
         if done is not None and done >= version:
             result.skipped = True
             return result
@@ -149,7 +166,7 @@ class BatchApplier:
             return result
         collapsed = collapser.result
         data_types = target.data_types()
-        metadata = {"cdc_apply": "merge", "pipeline": self.options.pipeline, "relation_oid": oid,
+        metadata = {"cdc_apply": "snapshot" if snapshot else "merge", "pipeline": self.options.pipeline, "relation_oid": oid,
                     "source": qualified, "first_lsn": format_lsn(collapsed.first_lsn or 0),
                     "last_lsn": format_lsn(collapsed.last_lsn or 0), "ops": dict(collapsed.op_counts)}
         if collapsed.truncate is not None:
@@ -159,11 +176,11 @@ class BatchApplier:
         if isinstance(collapser, HistoryCollapser):
             if not state.keys:
                 raise TableConfigError(f"{qualified}: SCD type 2 needs a key; set tables.<name>.keys")
-            merge_history(target, collapser, data_types, state.keys, app_id, version,
+            merge_history(target, collapser, data_types, state.keys, None if snapshot else app_id, version,
                           json.dumps(metadata, sort_keys=True))
         else:
-            merge_collapsed(target, collapsed, data_types, state.keys, options, app_id, version,
-                            json.dumps(metadata, sort_keys=True))
+            merge_collapsed(target, collapsed, data_types, state.keys, options, None if snapshot else app_id,
+                            version, json.dumps(metadata, sort_keys=True), append=snapshot)
         result.ops = collapsed.op_counts
         result.keys_written = len(collapsed.states)
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn

@@ -99,7 +99,7 @@ def _fill_from_target(target: Target, keys: Sequence[str], found: list[Version])
 
 
 def merge_history(target: Target, collapser: HistoryCollapser, data_types: Mapping[str, str],
-                  keys: Sequence[str], app_id: str, version: int, user_metadata: str) -> None:
+                  keys: Sequence[str], app_id: str | None, version: int, user_metadata: str) -> None:
     from pyspark.sql import functions as F
 
     spark = target.spark

@@ -120,12 +120,15 @@ def _cast(name: str, value: Any, kind: pa.DataType, spark_type: str) -> Any:
 
 
 def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str],
-                    options: TableOptions, app_id: str, version: int, user_metadata: str) -> None:
+                    options: TableOptions, app_id: str | None, version: int, user_metadata: str,
+                    append: bool = False) -> None:
+    """One Delta commit. ``append``: the rows are new to the table (initial snapshot chunks)."""
     spark = target.spark
-    fill_from_other_rows(target, collapsed, keys)
+    if not append:
+        fill_from_other_rows(target, collapsed, keys)
     source = source_frame(spark, collapsed, data_types)
     with delta_commit_conf(spark, app_id, version, user_metadata):
-        if not keys:
+        if not keys or append:
             _append(target, source, collapsed)
         else:
             _merge(target, source, collapsed, data_types, keys, options)

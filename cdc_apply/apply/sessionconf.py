@@ -25,6 +25,12 @@ def session_conf(spark: SparkSession, conf: Mapping[str, str]) -> Iterator[None]
             spark.conf.unset(key)
 
 
-def delta_commit_conf(spark: SparkSession, app_id: str, version: int, user_metadata: str):  # type: ignore[no-untyped-def]
-    """The next Delta commit is skipped by Delta if ``app_id`` already committed ``version`` or later."""
-    return session_conf(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(version), USER_METADATA: user_metadata})
+def delta_commit_conf(spark: SparkSession, app_id: str | None, version: int, user_metadata: str):  # type: ignore[no-untyped-def]
+    """The next Delta commit is skipped by Delta if ``app_id`` already committed ``version`` or later.
+
+    ``app_id=None`` commits without a transaction identifier (initial snapshot chunks).
+    """
+    conf = {USER_METADATA: user_metadata}
+    if app_id is not None:
+        conf |= {TXN_APP_ID: app_id, TXN_VERSION: str(version)}
+    return session_conf(spark, conf)

@@ -132,6 +132,20 @@ class Target:
         version = log.update(False, empty, empty).transactions().get(app_id)
         return int(version.get()) if version.isDefined() else None
 
+    def clear(self) -> None:
+        self.spark.sql(f"DELETE FROM {self.sql}")
+
+    def record_version(self, app_id: str, version: int, user_metadata: str) -> None:
+        """An empty commit whose only news is ``app_id`` reaching ``version`` (Delta's SetTransaction)."""
+        from cdc_apply.apply.sessionconf import delta_commit_conf
+
+        writer = self.read().limit(0).write.format("delta").mode("append")
+        with delta_commit_conf(self.spark, app_id, version, user_metadata):
+            if self.by_name:
+                writer.saveAsTable(self.location)
+            else:
+                writer.save(self.location)
+
     def create(self, state: SourceState, data_types: Mapping[str, str], options: TableOptions,
                table_properties: Mapping[str, str]) -> None:
         columns = [(c.target, data_types[c.name]) for c in state.columns if c.target is not None]

@@ -1,0 +1,127 @@
+"""Reading tables at an exported snapshot: the source side of the initial snapshot.
+
+``ExportedSnapshot`` creates a temporary pgoutput slot over a replication connection with
+``SNAPSHOT 'export'``; while it is open, any session can ``SET TRANSACTION SNAPSHOT`` to see the
+database exactly as of the slot's consistent point: every transaction committing before that
+LSN is visible, none committing at or after it is.
+
+``published_tables`` describes each published table as the Relation message pgoutput would send
+(same columns, type OIDs, typmods and key flags), so the rows copied here and the changes
+streamed later are judged against one schema.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+
+import psycopg
+from psycopg import sql
+
+from cdc_apply.errors import CdcApplyError
+from cdc_apply.lsn import parse_lsn
+from cdc_apply.pgoutput import messages as m
+
+KEY_FLAG = 1
+
+
+@dataclass(frozen=True)
+class PublishedTable:
+    relation: m.Relation
+    row_filter: str | None  # the publication's WHERE clause (PostgreSQL 15+), applied to the copy too
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.relation.namespace}.{self.relation.name}"
+
+
+class ExportedSnapshot:
+    def __init__(self, conninfo: str, slot_prefix: str = "cdc_apply_snapshot") -> None:
+        self.slot = f"{slot_prefix}_{os.getpid()}"
+        self.conninfo = conninfo
+        self.conn: psycopg.Connection | None = None
+        self.consistent_lsn = 0
+        self.name = ""
+
+    def __enter__(self) -> ExportedSnapshot:
+        self.conn = psycopg.connect(self.conninfo, autocommit=True, replication="database")
+        try:
+            row = self.conn.execute(f'CREATE_REPLICATION_SLOT "{self.slot}" TEMPORARY LOGICAL pgoutput '
+                                    "(SNAPSHOT 'export')").fetchone()
+        except psycopg.Error as exc:
+            self.conn.close()
+            raise CdcApplyError(f"cannot export a snapshot (temporary slot {self.slot}): {exc}") from None
+        assert row is not None
+        _, lsn, self.name, _ = row
+        self.consistent_lsn = parse_lsn(lsn)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self.conn is not None:
+            self.conn.close()  # a temporary slot goes with its connection
+
+    def rows(self, conninfo: str, table: PublishedTable, chunk_rows: int) -> Iterator[list[m.TupleData]]:
+        """The table's rows at the snapshot, as text-format TupleData, ``chunk_rows`` at a time."""
+        relation = table.relation
+        columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in relation.columns)
+        query = sql.SQL("SELECT {} FROM ONLY {}").format(columns, sql.Identifier(relation.namespace, relation.name))
+        if table.row_filter:
+            query = sql.SQL("{} WHERE {}").format(query, sql.SQL(table.row_filter))  # type: ignore[arg-type]
+        with psycopg.connect(conninfo) as conn:
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.name)))
+            with conn.cursor().copy(sql.SQL("COPY ({}) TO STDOUT").format(query)) as copy:
+                chunk: list[m.TupleData] = []
+                for row in copy.rows():
+                    chunk.append(_tuple(row))
+                    if len(chunk) >= chunk_rows:
+                        yield chunk
+                        chunk = []
+                if chunk:
+                    yield chunk
+            conn.rollback()
+
+
+def _tuple(row: tuple[object, ...]) -> m.TupleData:
+    kinds = bytes(m.KIND_NULL if value is None else m.KIND_TEXT for value in row)
+    return m.TupleData(kinds, tuple(None if value is None else str(value).encode() for value in row))
+
+
+_TABLES_QUERY = """
+SELECT c.oid, n.nspname, c.relname, c.relreplident, p.attnames::text[], {rowfilter}
+FROM pg_publication_tables p
+JOIN pg_namespace n ON n.nspname = p.schemaname
+JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename
+WHERE p.pubname = %s ORDER BY n.nspname, c.relname
+"""
+
+_COLUMNS_QUERY = """
+SELECT a.attname, a.atttypid, a.atttypmod,
+       CASE c.relreplident
+         WHEN 'f' THEN true
+         WHEN 'd' THEN a.attnum = ANY (SELECT unnest(i.indkey) FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary)
+         WHEN 'i' THEN a.attnum = ANY (SELECT unnest(i.indkey) FROM pg_index i WHERE i.indrelid = c.oid AND i.indisreplident)
+         ELSE false END
+FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+ORDER BY a.attnum
+"""
+
+
+def published_tables(conn: psycopg.Connection, publication: str) -> list[PublishedTable]:
+    """Every table of the publication, described as pgoutput describes it (generated columns left out)."""
+    version = int(conn.info.server_version)
+    query = _TABLES_QUERY.format(rowfilter="p.rowfilter" if version >= 150000 else "NULL::text")
+    if version < 150000:
+        query = query.replace("p.attnames::text[]", "NULL::text[]")
+    tables = []
+    for oid, namespace, name, identity, published_columns, row_filter in conn.execute(query, (publication,)).fetchall():
+        columns = tuple(
+            m.RelationColumn(KEY_FLAG if is_key else 0, column, type_oid, typmod)
+            for column, type_oid, typmod, is_key in conn.execute(_COLUMNS_QUERY, (oid,)).fetchall()
+            if published_columns is None or column in published_columns)
+        tables.append(PublishedTable(m.Relation(None, oid, namespace, name, identity, columns), row_filter))
+    return tables
