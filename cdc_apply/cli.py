@@ -81,10 +81,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
             from cdc_apply.live import follow
 
             live = follow(config, spark, stop)
-            batches, confirmed = live.batches, live.confirmed_lsn
+            batches, confirmed, snapshots = live.batches, live.confirmed_lsn, live.snapshots
         else:
             summary = drain(config, spark, stop=stop)
-            batches, confirmed = summary.batches, summary.confirmed_lsn
+            batches, confirmed, snapshots = summary.batches, summary.confirmed_lsn, summary.snapshots
+    for copied in snapshots:
+        print(f"snapshot {copied.table}: {copied.rows} rows at {format_lsn(copied.consistent_lsn)} "
+              f"in {copied.seconds:.1f} s")
     print_summary(batches, sys.stdout)
     if args.follow and live.lag_seconds:
         print(f"lag commit -> Delta: p50 {live.lag_percentile(0.5):.2f} s, p99 {live.lag_percentile(0.99):.2f} s; "

@@ -35,6 +35,7 @@ from cdc_apply.pgoutput.framing import Keepalive
 from cdc_apply.pipeline import StopFlag, prepare_source
 from cdc_apply.snapshot import Snapshotter, TableSnapshot
 from cdc_apply.sources.raw import RawMessage
+from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.slot import PgOutputOptions
 from cdc_apply.sources.stream import StreamLost, WalSenderStream
 
@@ -67,7 +68,7 @@ class LiveReplicator:
     def __init__(self, config: Config, spark: SparkSession, stop: StopFlag) -> None:
         self.config = config
         self.stop = stop
-        self.applier = BatchApplier(spark, config.apply_options())
+        self.applier = BatchApplier(spark, config.apply_options(), catalog=SourceCatalog(config.source.conninfo()))
         self.snapshotter = Snapshotter(config, self.applier)
         self.summary = LiveSummary()
         self.confirmed = 0

@@ -30,6 +30,7 @@ from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.failpoints import failpoint
 from cdc_apply.snapshot import Snapshotter, TableSnapshot
+from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.slot import PgOutputOptions, advance_slot, read_changes, server_version_num
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
     with psycopg.connect(source.conninfo(), autocommit=True) as conn:
         options = _prepare(conn, config)
         upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
-        applier = BatchApplier(spark, config.apply_options())
+        applier = BatchApplier(spark, config.apply_options(), catalog=SourceCatalog(source.conninfo()))
         snapshotter = Snapshotter(config, applier)
         summary.snapshots += snapshotter.sync()
         log.info("reading slot %s of %s up to %s", source.slot, source.describe(), format_lsn(upto))

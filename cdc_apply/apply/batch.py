@@ -25,7 +25,9 @@ from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.history import HistoryCollapser, merge_history
 from cdc_apply.apply.merge import merge_collapsed
 from cdc_apply.apply.options import ApplyOptions, TableOptions
-from cdc_apply.apply.schema import RenameTargetColumn, describe, diff, initial_columns, plan, relation_columns
+from cdc_apply.apply.schema import (
+    BackfillTargetColumn, ColumnAdded, RenameTargetColumn, describe, diff, initial_columns, plan, relation_columns,
+)
 from cdc_apply.apply.targets import SourceState, Target, TargetRegistry, metadata_columns
 from cdc_apply.assemble import Transaction
 from cdc_apply.changes import ChangeRowBuilder, TableChanges
@@ -33,6 +35,7 @@ from cdc_apply.errors import CdcApplyError
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput import messages as m
+from cdc_apply.sources.catalog import SourceCatalog
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -73,8 +76,11 @@ class BatchResult:
 class BatchApplier:
     """Applies batches of committed transactions to Delta targets. One per pipeline run."""
 
-    def __init__(self, spark: SparkSession, options: ApplyOptions, rows: ChangeRowBuilder | None = None) -> None:
+    def __init__(self, spark: SparkSession, options: ApplyOptions, rows: ChangeRowBuilder | None = None,
+                 catalog: SourceCatalog | None = None) -> None:
+        """``catalog``: the live source, for backfilling ADD COLUMN ... DEFAULT (None: replay)."""
         self.spark = spark
+        self.catalog = catalog
         self.options = options
         self.rows = rows or ChangeRowBuilder()
         self.registry = TargetRegistry(options.warehouse)
@@ -138,6 +144,7 @@ class BatchApplier:
             return result
         state: SourceState | None = target.source_state() if exists else None
         collapser: Collapser | None = None
+        backfills: list[BackfillTargetColumn] = []
         for segment in segments:
             rows = segment.rows if done is None else [r for r in segment.rows if r["commit_lsn"] > done]
             if not rows:
@@ -149,7 +156,7 @@ class BatchApplier:
                 self.registry.add(oid, target.location, target.by_name, relation.namespace, relation.name)
                 registered = True
             else:
-                state, renamed = self._evolve(target, state, segment, options, position, result)
+                state, renamed = self._evolve(target, state, segment, options, position, result, backfills)
                 if collapser is not None and renamed:
                     collapser.rename_columns(renamed)
             if collapser is None:
@@ -165,6 +172,10 @@ class BatchApplier:
             result.skipped = True
             return result
         collapsed = collapser.result
+        for backfill in backfills:  # rows of this batch last changed before the column existed
+            for key_state in collapsed.states.values():
+                if not key_state.deleted and key_state.commit_lsn < backfill.before_lsn:
+                    key_state.values.setdefault(backfill.column, backfill.value)
         data_types = target.data_types()
         metadata = {"cdc_apply": "snapshot" if snapshot else "merge", "pipeline": self.options.pipeline, "relation_oid": oid,
                     "source": qualified, "first_lsn": format_lsn(collapsed.first_lsn or 0),
@@ -204,6 +215,23 @@ class BatchApplier:
         log.info("created %s for %s.%s (keys %s)", target.location, relation.namespace, relation.name, keys)
         return state
 
+    def _backfills(self, relation: m.Relation, added: list[ColumnAdded], targets: dict[str, str | None],
+                   options: TableOptions, lsn: int) -> list[BackfillTargetColumn]:
+        if not added or self.catalog is None or options.scd_type != 1:
+            return []
+        backfills = []
+        for event in added:
+            missing = self.catalog.missing_value(relation.oid, event.column)
+            column = next(c for c in relation.columns if c.name == event.column)
+            if missing.known and missing.text is not None:
+                value = self.rows.types.get(column.type_oid).from_text(missing.text, column.typmod)
+                backfills.append(BackfillTargetColumn(targets[event.column], event.spark_type, value, lsn))  # type: ignore[arg-type]
+            elif not missing.known and missing.has_default:
+                log.warning("%s.%s: column %s was added with a default the catalog does not keep (volatile, or the "
+                            "table was rewritten since); rows that existed before keep NULL in the target. Delete "
+                            "the target to copy the table again.", relation.namespace, relation.name, event.column)
+        return backfills
+
     @staticmethod
     def _keys(relation: m.Relation, options: TableOptions, columns: set[str]) -> tuple[str, ...]:
         qualified = f"{relation.namespace}.{relation.name}"
@@ -224,7 +252,8 @@ class BatchApplier:
         return keys
 
     def _evolve(self, target: Target, state: SourceState, segment: TableChanges, options: TableOptions,
-                position: tuple[int, int], result: TableResult) -> tuple[SourceState, dict[str, str]]:
+                position: tuple[int, int], result: TableResult,
+                backfills: list[BackfillTargetColumn]) -> tuple[SourceState, dict[str, str]]:
         """The state after this segment's Relation, and the target columns renamed on the way."""
         if position <= state.applied_at:
             return state, {}
@@ -244,7 +273,9 @@ class BatchApplier:
         renamed = {a.old: a.new for a in decided.actions if isinstance(a, RenameTargetColumn)}
         new_state = SourceState(state.relation_oid, segment.relation.namespace, segment.relation.name,
                                 tuple(renamed.get(k, k) for k in state.keys), decided.columns, position)
-        apply_actions(target, decided.actions, new_state, format_lsn(position[0]))
+        added = [e for e in events if isinstance(e, ColumnAdded) and targets.get(e.column)]
+        backfills += self._backfills(segment.relation, added, targets, options, position[0])
+        apply_actions(target, [*decided.actions, *backfills], new_state, format_lsn(position[0]))
         result.schema_changes += [describe(e) for e in events]
         return new_state, renamed
 

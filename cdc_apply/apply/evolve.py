@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cdc_apply.apply.schema import (
-    AddTargetColumn, DropTargetColumn, RenameTargetColumn, RetypeTargetColumn, TargetAction, WidenTargetColumn,
+    AddTargetColumn, BackfillTargetColumn, DropTargetColumn, RenameTargetColumn, RetypeTargetColumn, TargetAction, WidenTargetColumn,
 )
 from cdc_apply.apply.sessionconf import USER_METADATA, session_conf
 from cdc_apply.apply.targets import SOURCE_PROPERTY, SourceState, Target, quote, sql_string
@@ -44,6 +44,13 @@ def _apply(target: Target, action: TargetAction, types: dict[str, str]) -> None:
     if isinstance(action, AddTargetColumn):
         if action.column not in types:
             spark.sql(f"ALTER TABLE {table} ADD COLUMNS ({quote(action.column)} {action.spark_type})")
+    elif isinstance(action, BackfillTargetColumn):
+        from pyspark.sql import functions as F
+
+        from cdc_apply.apply.options import COMMIT_LSN
+
+        target.delta().update(f"{quote(COMMIT_LSN)} < {action.before_lsn} AND {quote(action.column)} IS NULL",
+                              {quote(action.column): F.lit(action.value).cast(action.spark_type)})
     elif isinstance(action, WidenTargetColumn):
         if types.get(action.column) != action.spark_type:
             spark.sql(f"ALTER TABLE {table} ALTER COLUMN {quote(action.column)} TYPE {action.spark_type}")

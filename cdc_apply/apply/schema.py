@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.pgoutput import messages as m
@@ -95,7 +96,19 @@ class RetypeTargetColumn:
     spark_type: str
 
 
-TargetAction = AddTargetColumn | WidenTargetColumn | DropTargetColumn | RenameTargetColumn | RetypeTargetColumn
+@dataclass(frozen=True)
+class BackfillTargetColumn:
+    """Rows committed before ``before_lsn`` get ``value``: what PostgreSQL gives rows that existed
+    before ``ADD COLUMN ... DEFAULT`` without writing them to the WAL."""
+
+    column: str
+    spark_type: str
+    value: Any
+    before_lsn: int
+
+
+TargetAction = (AddTargetColumn | WidenTargetColumn | DropTargetColumn | RenameTargetColumn | RetypeTargetColumn
+                | BackfillTargetColumn)
 
 _INTEGERS = ("smallint", "int", "bigint")
 _DECIMAL = re.compile(r"decimal\((\d+),(\d+)\)")
