@@ -166,13 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config", help="YAML config file")
 
     bench = verb("bench", _cmd_bench, "benchmarks that report side-by-side ratios")
-    bench.add_argument("benchmark", choices=["decode", "apply"], help="which benchmark")
+    bench.add_argument("benchmark", choices=["decode", "apply", "e2e"], help="which benchmark")
     bench.add_argument("--messages", type=int, default=500_000, help="decode: messages to generate")
     bench.add_argument("--binary", action="store_true", help="decode: capture with binary=true")
     bench.add_argument("--rows", type=int, default=10_000_000, help="apply: rows in the target table")
     bench.add_argument("--changes", type=int, default=1_000_000, help="apply: mixed changes to merge")
     bench.add_argument("--per-transaction-slice", type=int, default=2_000,
                        help="apply: changes applied as one MERGE per 100-row transaction, for comparison")
+    bench.add_argument("--seconds", type=float, default=30.0, help="e2e: length of each load phase")
+    bench.add_argument("--rate", type=float, default=50.0, help="e2e: steady transactions/s per session")
+    bench.add_argument("--sessions", type=int, default=2, help="e2e: concurrent load sessions")
     return parser
 
 

@@ -16,4 +16,9 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
 
         bench_apply(rows=args.rows, changes=args.changes, per_transaction_slice=args.per_transaction_slice)
         return 0
+    if name == "e2e":
+        from cdc_apply.bench.e2e import bench_e2e
+
+        bench_e2e(seconds=args.seconds, rate=args.rate, sessions=args.sessions)
+        return 0
     raise ValueError(f"unknown benchmark {name}")

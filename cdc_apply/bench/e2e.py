@@ -1,0 +1,116 @@
+"""`cdc-apply bench e2e`: PostgreSQL -> walsender -> decode -> MERGE into Delta, under load, in one run.
+
+1. Steady load: ``--rate`` transactions/s per session for ``--seconds`` while `run --follow` streams;
+   reports the achieved changes/s and the lag from commit in PostgreSQL to visible in Delta (p50, p99).
+2. Backlog: the same load, unthrottled, with the pipeline stopped. Then the walsender's own delivery
+   rate of that backlog (a second slot, frames read and dropped) and the pipeline's catch-up rate
+   over the same WAL; their ratio is the figure to compare.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+
+import psycopg
+
+from cdc_apply.apply import build_spark_session
+from cdc_apply.bench.load import Load, create_schema, wait_until_caught_up
+from cdc_apply.config import Config, parse_config
+from cdc_apply.live import LiveReplicator
+from cdc_apply.pgoutput.framing import XLogData
+from cdc_apply.pgserver import PgServer
+from cdc_apply.lsn import parse_lsn
+from cdc_apply.pipeline import StopFlag
+from cdc_apply.sources.preflight import protocol_options
+from cdc_apply.sources.slot import create_slot, server_version_num
+from cdc_apply.sources.stream import WalSenderStream
+
+class _Background:
+    def __init__(self, config: Config, spark) -> None:  # type: ignore[no-untyped-def]
+        self.stop = StopFlag()
+        self.replicator = LiveReplicator(config, spark, self.stop)
+        self.thread = threading.Thread(target=self.replicator.run, daemon=True)
+        self.thread.start()
+
+    def finish(self) -> None:
+        self.stop.event.set()
+        self.thread.join()
+
+
+def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> tuple[int, float]:
+    """DML messages the walsender sends for the slot up to ``upto``, and the seconds it takes."""
+    with psycopg.connect(server.dsn) as conn:
+        options = protocol_options(config.source, server_version_num(conn))
+    stream = WalSenderStream(server.dsn, slot, options)
+    changes = 0
+    started = time.perf_counter()
+    stream.start()
+    while stream.received_lsn < upto:
+        for frame in stream.read(timeout=2.0):
+            if isinstance(frame, XLogData) and frame.payload[:1] in (b"I", b"U", b"D", b"T"):
+                changes += 1
+        stream.send_status(0)
+    seconds = time.perf_counter() - started
+    stream.close()
+    return changes, seconds
+
+
+def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2) -> dict[str, float]:
+    warehouse = tempfile.mkdtemp(prefix="cdc_apply_bench_e2e_")
+    with PgServer() as server:
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            create_schema(conn, "bench")
+        config = parse_config({"pipeline": "bench", "source": {"dsn": server.dsn, "slot": "bench", "publication": "bench"},
+                               "target": {"warehouse": warehouse},
+                               "batching": {"max_seconds": 1.0, "max_changes": 200_000}})
+        spark = build_spark_session(config.spark)
+
+        print(f"1/2 steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming ...", flush=True)
+        pipeline = _Background(config, spark)
+        while not pipeline.replicator.summary.snapshots and pipeline.thread.is_alive():
+            time.sleep(0.2)  # the slot and the (empty) targets exist
+        load = Load(server.dsn, sessions=sessions, rate_per_session=rate, big_every=0).start()
+        started = time.perf_counter()
+        time.sleep(seconds)
+        load.finish()
+        wait_until_caught_up(server.dsn, "bench", timeout=600)
+        steady_seconds = time.perf_counter() - started
+        pipeline.finish()
+        steady = pipeline.replicator.summary
+        steady_changes = sum(b.changes for b in steady.batches)
+
+        print(f"2/2 backlog: unthrottled load for {seconds:g} s with the pipeline stopped ...", flush=True)
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            create_slot(conn, "delivery")
+        load = Load(server.dsn, sessions=sessions, rate_per_session=None, big_every=0, seed=2).start()
+        time.sleep(seconds)
+        load.finish()
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+        delivered, delivery_seconds = _delivery(server, config, "delivery", upto)
+        pipeline = _Background(config, spark)
+        started = time.perf_counter()
+        wait_until_caught_up(server.dsn, "bench", timeout=1800)
+        catchup_seconds = time.perf_counter() - started
+        pipeline.finish()
+        catchup_changes = sum(b.changes for b in pipeline.replicator.summary.batches)
+        spark.stop()
+    result = {
+        "steady_changes_per_s": steady_changes / steady_seconds,
+        "lag_p50_s": steady.lag_percentile(0.5) or 0.0,
+        "lag_p99_s": steady.lag_percentile(0.99) or 0.0,
+        "delivery_changes_per_s": delivered / delivery_seconds,
+        "catchup_changes_per_s": catchup_changes / catchup_seconds,
+    }
+    result["ratio_catchup_to_delivery"] = result["catchup_changes_per_s"] / result["delivery_changes_per_s"]
+    print(f"bench e2e ({sessions} sessions, {seconds:g} s per phase)")
+    print(f"  steady load            {result['steady_changes_per_s']:>10,.0f} changes/s applied, "
+          f"lag p50 {result['lag_p50_s']:.2f} s, p99 {result['lag_p99_s']:.2f} s")
+    print(f"  walsender delivery     {result['delivery_changes_per_s']:>10,.0f} changes/s "
+          f"({delivered:,} changes in {delivery_seconds:.2f} s)")
+    print(f"  pipeline catch-up      {result['catchup_changes_per_s']:>10,.0f} changes/s "
+          f"({catchup_changes:,} changes in {catchup_seconds:.2f} s)  "
+          f"ratio {result['ratio_catchup_to_delivery']:.3f}x")
+    return result
