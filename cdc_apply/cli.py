@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Callable, Sequence
 
+import psycopg
+
 from cdc_apply.config import ConfigError
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.logs import configure as configure_logging
+from cdc_apply.logs import redact
 from cdc_apply.lsn import format_lsn
 
 EXIT_OK = 0
@@ -123,6 +126,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cdc-apply", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text",
+                        help="log lines as text or one JSON object per line (passwords are always redacted)")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     def verb(name: str, handler: Callable[[argparse.Namespace], int], help_text: str) -> argparse.ArgumentParser:
@@ -182,15 +187,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.verbose, args.log_format)
     try:
         return int(args.handler(args))
     except ConfigError as exc:
-        print(f"cdc-apply: config error: {exc}", file=sys.stderr)
+        print(f"cdc-apply: config error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except CdcApplyError as exc:
-        print(f"cdc-apply: error: {exc}", file=sys.stderr)
+        print(f"cdc-apply: error: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_FAILURE
+    except psycopg.Error as exc:  # a server or connection problem no layer below could name better
+        print(f"cdc-apply: error: PostgreSQL: {redact(str(exc).strip())}", file=sys.stderr)
         return EXIT_FAILURE
     except BrokenPipeError:
         return EXIT_OK

@@ -1,7 +1,8 @@
 """`cdc-apply demo`: embedded PostgreSQL 18 -> a realistic workload -> pgoutput -> Delta tables via MERGE.
 
-Nothing is pre-recorded: every row printed was decoded from the live server's slot in this run,
-applied by the same batch applier `cdc-apply replay` uses, and compared with the source tables.
+Nothing is pre-recorded: the demo runs the same pipeline as `cdc-apply run --follow` (slot,
+initial snapshot, walsender stream, batches, confirm) while the workload runs, then prints the
+Delta tables next to the source's row counts.
 """
 
 from __future__ import annotations
@@ -12,19 +13,17 @@ import time
 
 import psycopg
 
-from cdc_apply.apply.batch import BatchApplier
-from cdc_apply.apply.options import ApplyOptions
-from cdc_apply.assemble import Assembler
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgserver import PgServer
 from cdc_apply.replay import print_summary
-from cdc_apply.sources.slot import PgOutputOptions, advance_slot, create_slot, read_changes
+from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
 
 SETUP = """
 CREATE TABLE customers (id int PRIMARY KEY, name text NOT NULL, email text, notes text);
 CREATE TABLE orders (id bigint PRIMARY KEY, customer_id int, amount numeric(12,2), placed timestamptz);
 CREATE PUBLICATION demo_pub FOR TABLE customers, orders;
 """
+EXISTING = 2  # the first statements run before the pipeline starts: the initial snapshot copies them
 WORKLOAD = [
     "INSERT INTO customers VALUES (1, 'Ada', 'ada@example.com', NULL), (2, 'Grace', 'grace@example.com', NULL)",
     "INSERT INTO orders SELECT g, 1 + g % 2, g * 10.5, now() FROM generate_series(1, 5) g",
@@ -55,39 +54,64 @@ def capture_demo(path: str) -> int:
 
 
 def run_demo(warehouse: str | None = None) -> None:
+    """The pipeline `cdc-apply run --follow` runs, on a throwaway server: snapshot, then stream."""
+    import threading
+
     from cdc_apply.apply import build_spark_session
+    from cdc_apply.config import parse_config
+    from cdc_apply.live import LiveReplicator
+    from cdc_apply.pipeline import StopFlag
+    from cdc_apply.sources.slot import wait_until_caught_up
 
     warehouse = warehouse or tempfile.mkdtemp(prefix="cdc_apply_demo_")
     started = time.perf_counter()
-    print("1/4 starting an embedded PostgreSQL 18 with wal_level=logical ...", flush=True)
-    with PgServer() as server, psycopg.connect(server.dsn, autocommit=True) as conn:
-        conn.execute(SETUP)
-        create_slot(conn, "demo")
-        print(f"2/4 running the workload ({len(WORKLOAD)} statements) ...", flush=True)
-        for statement in WORKLOAD:
-            conn.execute(statement)
-        raws = list(read_changes(conn, "demo", PgOutputOptions(("demo_pub",), proto_version=2, streaming="on")))
-        source = {table: conn.execute(f"SELECT * FROM {table} ORDER BY id").fetchall()
-                  for table in ("customers", "orders")}
+    print("1/5 starting an embedded PostgreSQL 18 with wal_level=logical ...", flush=True)
+    with PgServer() as server:
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            conn.execute(SETUP)
+            for statement in WORKLOAD[:EXISTING]:  # rows that exist before the pipeline starts
+                conn.execute(statement)
+        config = parse_config({
+            "pipeline": "demo", "source": {"dsn": server.dsn, "slot": "demo", "publication": "demo_pub"},
+            "target": {"warehouse": warehouse}, "defaults": {"schema_policy": "evolve"},
+            "batching": {"max_seconds": 1}})
+        print("2/5 starting Spark with Delta Lake ...", flush=True)
+        spark = build_spark_session(config.spark)
+        print("3/5 starting the pipeline: slot, initial snapshot of the existing rows, walsender stream ...",
+              flush=True)
+        stop = StopFlag()
+        replicator = LiveReplicator(config, spark, stop)
+        thread = threading.Thread(target=replicator.run, name="cdc-apply-demo", daemon=True)
+        thread.start()
+        while not replicator.summary.snapshots and thread.is_alive():
+            time.sleep(0.2)
+        print(f"4/5 running the workload ({len(WORKLOAD) - EXISTING} statements: TOAST, a key change, a truncate, "
+              "ADD COLUMN ...) while it streams ...", flush=True)
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            for statement in WORKLOAD[EXISTING:]:
+                conn.execute(statement)
+            wait_until_caught_up(server.dsn, "demo", timeout=300)
+            stop.event.set()
+            thread.join()
+            source = {table: conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # type: ignore[index]
+                      for table in ("customers", "orders")}
 
-        print(f"3/4 decoding {len(raws)} pgoutput messages "
-              f"({format_lsn(raws[0].lsn)} .. {format_lsn(raws[-1].lsn)}) ...", flush=True)
-        transactions = list(Assembler().transactions(raws))
-
-        print(f"4/4 merging {len(transactions)} transactions into Delta under {warehouse} ...", flush=True)
-        spark = build_spark_session()
-        result = BatchApplier(spark, ApplyOptions(warehouse=warehouse, pipeline="demo")).apply(transactions)
-        advance_slot(conn, "demo", transactions[-1].end_lsn)  # confirm only after every target committed
-
+    print(f"5/5 the Delta tables under {warehouse}:", flush=True)
     for table in ("customers", "orders"):
         path = f"{warehouse}/public/{table}"
         frame = spark.read.format("delta").load(path).orderBy("id")
         print(f"\n== public.{table} in Delta ({path})")
         frame.show(truncate=40)
         delta_count = frame.count()
-        print(f"   PostgreSQL has {len(source[table])} rows, Delta has {delta_count}: "
-              f"{'equal counts' if delta_count == len(source[table]) else 'DIFFERENT'}")
+        print(f"   PostgreSQL has {source[table]} rows, Delta has {delta_count}: "
+              f"{'equal counts' if delta_count == source[table] else 'DIFFERENT'}")
+    summary = replicator.summary
     print("run summary:")
-    print_summary([result], sys.stdout)
+    for copied in summary.snapshots:
+        print(f"  snapshot {copied.table}: {copied.rows} rows at {format_lsn(copied.consistent_lsn)}")
+    print_summary(summary.batches, sys.stdout)
+    if summary.lag_seconds:
+        print(f"  lag commit -> Delta: p50 {summary.lag_percentile(0.5):.2f} s, "
+              f"p99 {summary.lag_percentile(0.99):.2f} s")
     print(f"  total {time.perf_counter() - started:.1f} s")
     spark.stop()

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import psycopg
 
-from cdc_apply.bench.load import Load, create_schema, wait_until_caught_up
+from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.lsn import parse_lsn
+from cdc_apply.sources.slot import wait_until_caught_up
 from tests.test_live import assert_delta_equals_postgres
 
 STAGES = ["after_receive", "after_decode", "between_tables", "before_confirm"]

@@ -8,12 +8,13 @@ import time
 
 import psycopg
 
-from cdc_apply.bench.load import TABLES, Load, create_schema, wait_until_caught_up
+from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.config import parse_config
 from cdc_apply.live import LiveReplicator
 from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgserver import PgServer, available_bindirs
 from cdc_apply.pipeline import StopFlag
+from cdc_apply.sources.slot import wait_until_caught_up
 from tests.delta_oracle import delta_rows, source_types
 from tests.reference_apply import postgres_rows
 

@@ -157,3 +157,25 @@ def test_add_column_default_reaches_rows_that_existed_before(db18, spark, tmp_pa
         assert [r[:4] for r in got] == [r[:4] for r in truth]
         assert all(r[4] is None for r in got if r[0] in untouched)
         assert [r for r in got if r[0] not in untouched] == [r for r in truth if r[0] not in untouched]
+
+
+def test_json_logs_are_structured_and_never_show_the_password(db18, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server, dbname = db18
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute(SCHEMA)
+        conn.execute("INSERT INTO orders VALUES (1, 'a', 1, NULL)")
+    config = tmp_path / "secret.yaml"
+    config.write_text(json.dumps({"pipeline": "logs", "target": {"warehouse": str(tmp_path / "wh")},
+                                  "source": {"dsn": server.conninfo(dbname) + " password=hunter2", "slot": "logs",
+                                             "publication": "shop pub"}}))
+    run = _cli("--log-format", "json", "-v", "run", "--config", str(config), "--once")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "hunter2" not in run.stdout + run.stderr
+    records = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
+    messages = [r["message"] for r in records]
+    assert any(m.startswith("snapshot of public.orders: 1 rows") for m in messages), messages
+    assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
+    broken = config.with_name("broken.yaml")
+    broken.write_text(json.dumps({"source": {"dsn": "host=127.0.0.1 port=1 password=hunter2 connect_timeout=2"}}))
+    failed = _cli("--log-format", "json", "status", "--config", str(broken))
+    assert failed.returncode != 0 and "hunter2" not in failed.stdout + failed.stderr

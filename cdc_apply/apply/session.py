@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,8 +33,20 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
 }
 
 
+# Decided by spark-submit when it started the driver: not overridden unless the config says so.
+SUBMIT_DECIDES = ("spark.master", "spark.app.name", "spark.driver.memory", "spark.driver.extraJavaOptions")
+
+
+def launched_by_spark_submit() -> bool:
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
 def spark_conf(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
-    conf = {**DEFAULT_SPARK_CONF, **(overrides or {})}
+    defaults = dict(DEFAULT_SPARK_CONF)
+    if launched_by_spark_submit():
+        for key in SUBMIT_DECIDES:
+            defaults.pop(key)
+    conf = {**defaults, **(overrides or {})}
     jars = [str(p) for p in resolve_jars()]
     extra = conf.get("spark.jars")
     conf["spark.jars"] = ",".join(jars + ([extra] if extra else []))
@@ -47,9 +60,23 @@ def build_spark_session(overrides: Mapping[str, str] | None = None) -> SparkSess
     """
     from pyspark.sql import SparkSession
 
+    if launched_by_spark_submit():
+        _add_jars_to_driver(resolve_jars())
     builder = SparkSession.builder
     for key, value in spark_conf(overrides).items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def _add_jars_to_driver(jars: list[Path]) -> None:
+    """Under spark-submit the driver JVM is already running: put the Delta jars on its class loader
+    (spark-submit's is a MutableURLClassLoader) before the session loads Delta's extension."""
+    from pyspark import SparkContext
+
+    SparkContext._ensure_initialized()  # type: ignore[attr-defined]
+    jvm = SparkContext._jvm  # type: ignore[attr-defined]
+    loader = jvm.java.lang.Thread.currentThread().getContextClassLoader()
+    for jar in jars:
+        loader.addURL(jvm.java.io.File(str(jar)).toURI().toURL())

@@ -16,15 +16,16 @@ import time
 import psycopg
 
 from cdc_apply.apply import build_spark_session
-from cdc_apply.bench.load import Load, create_schema, wait_until_caught_up
+from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.config import Config, parse_config
 from cdc_apply.live import LiveReplicator
+from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgoutput.framing import XLogData
 from cdc_apply.pgserver import PgServer
-from cdc_apply.lsn import parse_lsn
 from cdc_apply.pipeline import StopFlag
 from cdc_apply.sources.preflight import protocol_options
 from cdc_apply.sources.slot import create_slot, server_version_num
+from cdc_apply.sources.slot import wait_until_caught_up
 from cdc_apply.sources.stream import WalSenderStream
 
 class _Background:

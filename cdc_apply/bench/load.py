@@ -138,17 +138,3 @@ class Load:
             conn.execute("INSERT INTO journal SELECT 0, g, repeat('x', 50) FROM generate_series(1, 3000) g")
             changes += 3000
         return changes
-
-
-def wait_until_caught_up(conninfo: str, slot: str, timeout: float = 120.0) -> None:
-    """Until the slot's confirmed position reaches the WAL position at the time of the call."""
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        target = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                               (slot,)).fetchone()
-            if row and row[0] and parse_lsn(row[0]) >= target:
-                return
-            time.sleep(0.2)
-    raise TimeoutError(f"slot {slot} did not reach the WAL position within {timeout} s")

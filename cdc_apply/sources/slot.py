@@ -89,3 +89,19 @@ def drop_slot(conn: psycopg.Connection, slot: str) -> None:
 
 def server_version_num(conn: psycopg.Connection) -> int:
     return int(conn.info.server_version)
+
+
+def wait_until_caught_up(conninfo: str, slot: str, timeout: float = 120.0) -> None:
+    """Until the slot's confirmed position reaches the WAL position at the time of the call."""
+    import time
+
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        target = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                               (slot,)).fetchone()
+            if row and row[0] and parse_lsn(row[0]) >= target:
+                return
+            time.sleep(0.2)
+    raise TimeoutError(f"slot {slot} did not reach the WAL position within {timeout} s")
