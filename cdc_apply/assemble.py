@@ -66,6 +66,7 @@ class Transaction:
     messages: list[m.LogicalMessage] = field(default_factory=list)
     relations: list[m.Relation] = field(default_factory=list)  # Relation messages seen inside it
     types: list[m.Type] = field(default_factory=list)
+    spilled_changes: int = 0  # changes that went through the spill file (aborted subtransactions included)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +153,10 @@ class _OpenTransaction:
     prepare_ts: int = 0
 
     def finish(self, commit_lsn: int, end_lsn: int, commit_ts: int) -> Transaction:
+        spilled = self.buffer.spilled_changes
         return Transaction(self.xid, commit_lsn, end_lsn, commit_ts, self.buffer.drain(), self.origin,
-                           self.origin_lsn, self.gid, self.kind, self.messages, self.relations, self.types)
+                           self.origin_lsn, self.gid, self.kind, self.messages, self.relations, self.types,
+                           spilled)
 
 
 class Assembler:

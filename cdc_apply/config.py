@@ -121,6 +121,7 @@ class BatchingConfig(_Strict):
     max_changes: int = Field(200_000, ge=1)
     max_seconds: float = Field(10.0, gt=0)
     spill_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    parallel_tables: int = Field(4, ge=1, le=64)  # tables of one batch applied at once, each in its own session
 
 
 class SnapshotConfig(_Strict):
@@ -140,6 +141,7 @@ class Config(_Strict):
 
     def apply_options(self) -> ApplyOptions:
         return ApplyOptions(warehouse=self.target.warehouse, pipeline=self.pipeline,
+                            parallel_tables=self.batching.parallel_tables,
                             tables={pattern: table.options() for pattern, table in self.tables.items()},
                             defaults=self.defaults.options(), table_properties=dict(self.target.properties))
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -81,6 +83,7 @@ class BatchApplier:
         """``catalog``: the live source, for backfilling ADD COLUMN ... DEFAULT (None: replay)."""
         self.spark = spark
         self.catalog = catalog
+        self._thread_sessions = threading.local()
         self.options = options
         self.rows = rows or ChangeRowBuilder()
         self.registry = TargetRegistry(options.warehouse)
@@ -96,24 +99,49 @@ class BatchApplier:
         by_table: dict[int, list[TableChanges]] = {}
         for segment in self.rows.build(transactions):
             by_table.setdefault(segment.relation.oid, []).append(segment)
-        results = []
-        for index, (oid, segments) in enumerate(by_table.items()):
-            if index:
-                failpoint("between_tables")
-            results.append(self.apply_table(oid, segments, version, snapshot))
+        work = list(by_table.items())
+        if self.options.parallel_tables > 1 and len(work) > 1:
+            results = self._apply_parallel(work, version, snapshot)
+        else:
+            results = []
+            for index, (oid, segments) in enumerate(work):
+                if index:
+                    failpoint("between_tables")
+                results.append(self.apply_table(oid, segments, version, snapshot))
         return BatchResult(len(transactions), transactions[0].commit_lsn, version,
                            [r for r in results if r is not None], time.perf_counter() - started)
+
+    def _apply_parallel(self, work: list[tuple[int, list[TableChanges]]], version: int,
+                        snapshot: bool) -> list[TableResult | None]:
+        """Several tables at once, each thread in its own Spark session: the per-commit confs
+        (txnAppId, txnVersion, userMetadata) are session state, so two threads must never share one."""
+        with ThreadPoolExecutor(self.options.parallel_tables, thread_name_prefix="cdc-apply-table") as pool:
+            futures = [pool.submit(self._apply_in_own_session, oid, segments, version, snapshot)
+                       for oid, segments in work]
+            for index, future in enumerate(as_completed(futures)):
+                future.result()
+                if index < len(futures) - 1:
+                    failpoint("between_tables")
+        return [future.result() for future in futures]
+
+    def _apply_in_own_session(self, oid: int, segments: list[TableChanges], version: int,
+                              snapshot: bool) -> TableResult | None:
+        session = getattr(self._thread_sessions, "spark", None)
+        if session is None:
+            session = self._thread_sessions.spark = self.spark.newSession()
+        return self.apply_table(oid, segments, version, snapshot, session)
 
     def app_id(self, oid: int) -> str:
         return f"{self.options.pipeline}/{oid}"
 
-    def target(self, relation: m.Relation, options: TableOptions) -> tuple[Target, bool]:
+    def target(self, relation: m.Relation, options: TableOptions,
+               spark: SparkSession | None = None) -> tuple[Target, bool]:
         entry = self.registry.get(relation.oid)
         if entry is None:
             by_name = options.name is not None
             location = options.name or self.registry.default_location(relation.namespace, relation.name)
-            return Target(self.spark, location, by_name), False
-        return Target(self.spark, entry["location"], entry["by_name"]), True
+            return Target(spark or self.spark, location, by_name), False
+        return Target(spark or self.spark, entry["location"], entry["by_name"]), True
 
     def ensure_target(self, relation: m.Relation, position: tuple[int, int]) -> tuple[Target, bool]:
         """The relation's target, created (empty) and registered if needed; True when it existed."""
@@ -126,15 +154,15 @@ class BatchApplier:
             self.registry.add(relation.oid, target.location, target.by_name, relation.namespace, relation.name)
         return target, existed
 
-    def apply_table(self, oid: int, segments: list[TableChanges], version: int,
-                    snapshot: bool = False) -> TableResult | None:
+    def apply_table(self, oid: int, segments: list[TableChanges], version: int, snapshot: bool = False,
+                    spark: SparkSession | None = None) -> TableResult | None:
         started = time.perf_counter()
         relation = segments[0].relation
         qualified = f"{relation.namespace}.{relation.name}"
         options = self.options.for_table(relation.namespace, relation.name)
         if not options.include:
             return None
-        target, registered = self.target(relation, options)
+        target, registered = self.target(relation, options, spark)
         result = TableResult(qualified, target.location)
         app_id = self.app_id(oid)
         exists = target.exists()  # also when the registry was lost: the table holds its own state

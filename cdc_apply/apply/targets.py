@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,6 +172,7 @@ class TargetRegistry:
     def __init__(self, warehouse: str) -> None:
         self.warehouse = warehouse
         self.path = Path(warehouse) / "_cdc_apply" / "targets.json"
+        self._lock = threading.Lock()
         self._entries: dict[str, dict[str, Any]] = (
             json.loads(self.path.read_text()) if self.path.exists() else {})
 
@@ -178,12 +180,13 @@ class TargetRegistry:
         return self._entries.get(str(relation_oid))
 
     def add(self, relation_oid: int, location: str, by_name: bool, schema: str, table: str) -> None:
-        self._entries[str(relation_oid)] = {"location": location, "by_name": by_name,
-                                            "schema": schema, "table": table}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(self._entries, indent=1, sort_keys=True))
-        os.replace(temporary, self.path)
+        with self._lock:  # tables may be applied by several threads
+            self._entries[str(relation_oid)] = {"location": location, "by_name": by_name,
+                                                "schema": schema, "table": table}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = self.path.with_suffix(".tmp")
+            temporary.write_text(json.dumps(self._entries, indent=1, sort_keys=True))
+            os.replace(temporary, self.path)
 
     def entries(self) -> dict[int, dict[str, Any]]:
         return {int(oid): entry for oid, entry in self._entries.items()}
