@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import psycopg
+
 from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.assemble import Assembler, Transaction
 from cdc_apply.config import Config
@@ -81,7 +83,7 @@ class LiveReplicator:
             try:
                 if self._session(options):
                     backoff = BACKOFF_START_S
-            except StreamLost as exc:
+            except (StreamLost, psycopg.OperationalError) as exc:  # the server went away: retry
                 self.summary.reconnects += 1
                 log.warning("%s; reconnecting in %.1f s", exc, backoff)
                 self.stop.event.wait(backoff)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import psycopg
+import pytest
 
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.lsn import parse_lsn
@@ -74,6 +75,7 @@ def _assert_confirmed_is_durable(spark, conn, load: Load, warehouse: str) -> Non
     assert not missing, f"slot confirmed past {len(missing)} transactions Delta does not hold: {sorted(missing)[:5]}"
 
 
+@pytest.mark.timeout(2400)
 def test_kill_9_at_stage_boundaries_and_random_points(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     server, dbname = db18
     conninfo = server.conninfo(dbname)
