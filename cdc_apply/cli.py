@@ -181,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seconds", type=float, default=30.0, help="e2e: length of each load phase")
     bench.add_argument("--rate", type=float, default=50.0, help="e2e: steady transactions/s per session")
     bench.add_argument("--sessions", type=int, default=2, help="e2e: concurrent load sessions")
+    bench.add_argument("--parallel-tables", type=int, default=4, help="e2e: batching.parallel_tables")
     return parser
 
 

@@ -19,6 +19,6 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     if name == "e2e":
         from cdc_apply.bench.e2e import bench_e2e
 
-        bench_e2e(seconds=args.seconds, rate=args.rate, sessions=args.sessions)
+        bench_e2e(seconds=args.seconds, rate=args.rate, sessions=args.sessions, parallel_tables=args.parallel_tables)
         return 0
     raise ValueError(f"unknown benchmark {name}")

@@ -58,14 +58,16 @@ def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> tuple[i
     return changes, seconds
 
 
-def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2) -> dict[str, float]:
+def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
+              parallel_tables: int = 4) -> dict[str, float]:
     warehouse = tempfile.mkdtemp(prefix="cdc_apply_bench_e2e_")
     with PgServer() as server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             create_schema(conn, "bench")
         config = parse_config({"pipeline": "bench", "source": {"dsn": server.dsn, "slot": "bench", "publication": "bench"},
                                "target": {"warehouse": warehouse},
-                               "batching": {"max_seconds": 1.0, "max_changes": 200_000}})
+                               "batching": {"max_seconds": 1.0, "max_changes": 200_000,
+                                            "parallel_tables": parallel_tables}})
         spark = build_spark_session(config.spark)
 
         print(f"1/2 steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming ...", flush=True)
@@ -106,7 +108,7 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2) -> d
         "catchup_changes_per_s": catchup_changes / catchup_seconds,
     }
     result["ratio_catchup_to_delivery"] = result["catchup_changes_per_s"] / result["delivery_changes_per_s"]
-    print(f"bench e2e ({sessions} sessions, {seconds:g} s per phase)")
+    print(f"bench e2e ({sessions} sessions, {seconds:g} s per phase, {parallel_tables} table(s) at once)")
     print(f"  steady load            {result['steady_changes_per_s']:>10,.0f} changes/s applied, "
           f"lag p50 {result['lag_p50_s']:.2f} s, p99 {result['lag_p99_s']:.2f} s")
     print(f"  walsender delivery     {result['delivery_changes_per_s']:>10,.0f} changes/s "

@@ -1,0 +1,33 @@
+"""Each `cdc-apply bench` verb runs for real at a small size and reports its side-by-side figures.
+(The figures themselves are for the closing notes, not asserted: speed is not a test here.)"""
+
+from __future__ import annotations
+
+import re
+
+from tests.test_decode_cli import _cli
+
+
+def _ratio(output: str, label: str) -> float:
+    match = re.search(label + r".*?ratio ([0-9.]+)x", output)
+    assert match, output[-3000:]
+    return float(match.group(1))
+
+
+def test_bench_decode_reports_its_ratio_to_walsender_delivery() -> None:
+    run = _cli("bench", "decode", "--messages", "3000")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert _ratio(run.stdout, "decode \\+ assemble") > 0
+
+
+def test_bench_apply_reports_merge_against_append() -> None:
+    run = _cli("bench", "apply", "--rows", "2000", "--changes", "500", "--per-transaction-slice", "200")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"ratio MERGE apply / append:\s+[0-9.]+x", run.stdout), run.stdout[-3000:]
+
+
+def test_bench_e2e_reports_lag_and_catch_up_against_delivery() -> None:
+    run = _cli("bench", "e2e", "--seconds", "3", "--rate", "10")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"lag p50 [0-9.]+ s, p99 [0-9.]+ s", run.stdout), run.stdout[-3000:]
+    assert _ratio(run.stdout, "pipeline catch-up") > 0
