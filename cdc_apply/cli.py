@@ -83,18 +83,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if args.follow:
             from cdc_apply.live import follow
 
-            live = follow(config, spark, stop)
-            batches, confirmed, snapshots = live.batches, live.confirmed_lsn, live.snapshots
+            summary = follow(config, spark, stop)
         else:
             summary = drain(config, spark, stop=stop)
-            batches, confirmed, snapshots = summary.batches, summary.confirmed_lsn, summary.snapshots
-    for copied in snapshots:
+    for copied in summary.snapshots:
         print(f"snapshot {copied.table}: {copied.rows} rows at {format_lsn(copied.consistent_lsn)} "
               f"in {copied.seconds:.1f} s")
-    print_summary(batches, sys.stdout)
-    if args.follow and live.lag_seconds:
-        print(f"lag commit -> Delta: p50 {live.lag_percentile(0.5):.2f} s, p99 {live.lag_percentile(0.99):.2f} s; "
-              f"reconnects {live.reconnects}")
+    print_summary(summary.batches, sys.stdout)
+    if summary.lag_seconds:
+        print(f"lag commit -> Delta: p50 {summary.lag_percentile(0.5):.2f} s, "
+              f"p99 {summary.lag_percentile(0.99):.2f} s; reconnects {summary.reconnects}")
+    confirmed = summary.confirmed_lsn
     print(f"slot {config.source.slot} confirmed to {format_lsn(confirmed) if confirmed else '(unchanged)'}")
     return EXIT_OK
 

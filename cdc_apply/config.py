@@ -7,6 +7,7 @@ key path (``tables."public.orders".delete_mode``) and what is allowed.
 from __future__ import annotations
 
 import os
+import string
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,7 +108,23 @@ class TableConfig(_Strict):
 
 class TargetConfig(_Strict):
     warehouse: str = "./warehouse"
+    path_template: str = "{schema}/{table}"
+    name_template: str | None = None
     properties: dict[str, str] = {}
+
+    @field_validator("path_template", "name_template")
+    @classmethod
+    def _only_schema_and_table(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+        except ValueError as exc:
+            raise ValueError(f"not a valid template: {exc}") from None
+        unknown = fields - {"schema", "table"}
+        if unknown or "table" not in fields:
+            raise ValueError("may use only {schema} and {table}, and must use {table}")
+        return value
 
     @field_validator("warehouse")
     @classmethod
@@ -142,6 +159,7 @@ class Config(_Strict):
     def apply_options(self) -> ApplyOptions:
         return ApplyOptions(warehouse=self.target.warehouse, pipeline=self.pipeline,
                             parallel_tables=self.batching.parallel_tables,
+                            path_template=self.target.path_template, name_template=self.target.name_template,
                             tables={pattern: table.options() for pattern, table in self.tables.items()},
                             defaults=self.defaults.options(), table_properties=dict(self.target.properties))
 
@@ -164,7 +182,7 @@ def parse_config(data: Any, source: str = "config") -> Config:
     except ValidationError as exc:
         lines = []
         for error in exc.errors():
-            message = error["msg"]
+            message = error["msg"].removeprefix("Value error, ")
             if error["type"] == "extra_forbidden":
                 message = "unknown key"
             elif error["type"] == "literal_error":

@@ -23,19 +23,18 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import psycopg
 
-from cdc_apply.apply.batch import BatchApplier, BatchResult
+from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.assemble import Assembler, Transaction
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
-from cdc_apply.lsn import format_lsn, pg_us_to_unix_us
+from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput.framing import Keepalive
-from cdc_apply.pipeline import StopFlag, prepare_source
-from cdc_apply.snapshot import Snapshotter, TableSnapshot
+from cdc_apply.pipeline import RunSummary, StopFlag, prepare_source
+from cdc_apply.snapshot import Snapshotter
 from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.slot import PgOutputOptions
@@ -51,31 +50,16 @@ BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 
 
-@dataclass
-class LiveSummary:
-    batches: list[BatchResult] = field(default_factory=list)
-    lag_seconds: list[float] = field(default_factory=list)  # commit in PostgreSQL -> visible in Delta
-    confirmed_lsn: int | None = None
-    reconnects: int = 0
-    snapshots: list[TableSnapshot] = field(default_factory=list)
-
-    def lag_percentile(self, fraction: float) -> float | None:
-        if not self.lag_seconds:
-            return None
-        ordered = sorted(self.lag_seconds)
-        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 class LiveReplicator:
     def __init__(self, config: Config, spark: SparkSession, stop: StopFlag) -> None:
         self.config = config
         self.stop = stop
         self.applier = BatchApplier(spark, config.apply_options(), catalog=SourceCatalog(config.source.conninfo()))
         self.snapshotter = Snapshotter(config, self.applier)
-        self.summary = LiveSummary()
+        self.summary = RunSummary()
         self.confirmed = 0
 
-    def run(self) -> LiveSummary:
+    def run(self) -> RunSummary:
         options = prepare_source(self.config)
         self.summary.snapshots += self.snapshotter.sync()
         backoff = BACKOFF_START_S
@@ -146,10 +130,7 @@ class LiveReplicator:
     def _apply(self, stream: WalSenderStream, assembler: Assembler, batch: list[Transaction]) -> None:
         with _heartbeat(stream, self.confirmed):
             self.summary.snapshots += self.snapshotter.sync_new(batch)
-            result = self.applier.apply(batch)
-        visible_at = time.time()
-        self.summary.batches.append(result)
-        self.summary.lag_seconds += [visible_at - pg_us_to_unix_us(t.commit_ts) / 1e6 for t in batch]
+            self.summary.record(self.applier.apply(batch), batch)
         failpoint("before_confirm")
         self._confirm(stream, assembler.safe_confirm_lsn(batch[-1].end_lsn))
 
@@ -183,6 +164,6 @@ def _heartbeat(stream: WalSenderStream, confirmed: int) -> Iterator[None]:
         thread.join()
 
 
-def follow(config: Config, spark: SparkSession, stop: StopFlag) -> LiveSummary:
+def follow(config: Config, spark: SparkSession, stop: StopFlag) -> RunSummary:
     return LiveReplicator(config, spark, stop).run()
 

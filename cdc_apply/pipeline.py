@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,9 +25,9 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
-from cdc_apply.assemble import Assembler
+from cdc_apply.assemble import Assembler, Transaction
 from cdc_apply.config import Config
-from cdc_apply.lsn import format_lsn, parse_lsn
+from cdc_apply.lsn import format_lsn, parse_lsn, pg_us_to_unix_us
 from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.failpoints import failpoint
 from cdc_apply.snapshot import Snapshotter, TableSnapshot
@@ -41,10 +42,25 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunSummary:
+    """What a run did: batches applied, tables copied, lag, where the slot was confirmed to."""
+
     batches: list[BatchResult] = field(default_factory=list)
     confirmed_lsn: int | None = None
     rounds: int = 0
     snapshots: list[TableSnapshot] = field(default_factory=list)
+    lag_seconds: list[float] = field(default_factory=list)  # commit in PostgreSQL -> visible in Delta
+    reconnects: int = 0
+
+    def record(self, result: BatchResult, transactions: list[Transaction]) -> None:
+        visible_at = time.time()
+        self.batches.append(result)
+        self.lag_seconds += [visible_at - pg_us_to_unix_us(t.commit_ts) / 1e6 for t in transactions]
+
+    def lag_percentile(self, fraction: float) -> float | None:
+        if not self.lag_seconds:
+            return None
+        ordered = sorted(self.lag_seconds)
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 class StopFlag:
@@ -107,7 +123,7 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
                 if transactions:
                     failpoint("after_decode")
                     summary.snapshots += snapshotter.sync_new(transactions)
-                    summary.batches.append(applier.apply(transactions))
+                    summary.record(applier.apply(transactions), transactions)
                 confirm = assembler.safe_confirm_lsn(transactions[-1].end_lsn) if transactions else 0
             finally:
                 assembler.close()

@@ -13,6 +13,7 @@ from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.apply.options import ApplyOptions
 from cdc_apply.assemble import Assembler, Transaction
 from cdc_apply.lsn import format_lsn
+from cdc_apply.progress import progress
 from cdc_apply.sources.capture import read_captures
 
 if TYPE_CHECKING:
@@ -37,11 +38,15 @@ def replay(spark: SparkSession, paths: Sequence[str], options: ApplyOptions, *, 
            spill_bytes: int | None = None) -> list[BatchResult]:
     applier = BatchApplier(spark, options)
     assembler = Assembler(**({"spill_bytes": spill_bytes} if spill_bytes else {}))
+    results = []
     try:
-        return [applier.apply(batch)
-                for batch in batches(assembler.transactions(read_captures(paths)), max_changes)]
+        with progress("replay", None, unit="changes") as advance:
+            for batch in batches(assembler.transactions(read_captures(paths)), max_changes):
+                results.append(applier.apply(batch))
+                advance(sum(len(txn.changes) for txn in batch))
     finally:
         assembler.close()
+    return results
 
 
 def print_summary(results: Sequence[BatchResult], out: TextIO) -> None:

@@ -24,9 +24,14 @@ def test_example_config_is_valid_and_maps_to_apply_options(tmp_path) -> None:  #
     ({"tables": {"public.t": {"schema_policy": "x"}}}, "schema_policy: must be one of"),
     ({"tables": {"public.t": {"scd_type": 3}}}, "scd_type: must be one of 1 or 2"),
     ({"source": {"port": 0}}, "source.port: Input should be greater than or equal to 1"),
-    ({"source": {"password_env": "A", "password_file": "/x"}}, "source: Value error, set password_env or password_file"),
+    ({"source": {"password_env": "A", "password_file": "/x"}}, "source: set password_env or password_file"),
     ({"batching": {"max_changes": 0}}, "batching.max_changes"),
     ({"pipeline": "has space"}, "pipeline: String should match pattern"),
+    ({"target": {"name_template": "lake.{tabel}"}}, "target.name_template: may use only {schema} and {table}"),
+    ({"target": {"path_template": "{schema}/{table"}}, "target.path_template: not a valid template"),
+    ({"batching": {"parallel_tables": 0}}, "batching.parallel_tables: Input should be greater than or equal to 1"),
+    ({"snapshot": {"chunk_rows": 0}}, "snapshot.chunk_rows"),
+    ({"snapshot": {"enable": True}}, "snapshot.enable: unknown key"),
     ([1, 2], "must be a mapping"),
 ])
 def test_config_errors_name_the_key_path(data, message) -> None:  # type: ignore[no-untyped-def]

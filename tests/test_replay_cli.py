@@ -37,3 +37,9 @@ def test_replay_twice_applies_once_and_names_a_keyless_table(db18, tmp_path) -> 
     write_parquet(bad, keyless)
     result = _cli("replay", str(bad), "--warehouse", str(warehouse))
     assert result.returncode == 1 and "public.nokey: no usable key (replica identity default" in result.stderr
+
+    templated = tmp_path / "templated.yaml"
+    templated.write_text(f"target:\n  warehouse: {tmp_path / 'wh2'}\n  path_template: 'cdc_{{schema}}__{{table}}'\n")
+    placed = _cli("replay", str(capture), "--config", str(templated))
+    assert placed.returncode == 0, placed.stderr
+    assert (tmp_path / "wh2" / "cdc_public__t" / "_delta_log").is_dir()

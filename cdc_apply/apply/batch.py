@@ -138,8 +138,8 @@ class BatchApplier:
                spark: SparkSession | None = None) -> tuple[Target, bool]:
         entry = self.registry.get(relation.oid)
         if entry is None:
-            by_name = options.name is not None
-            location = options.name or self.registry.default_location(relation.namespace, relation.name)
+            location, by_name = ((options.name, True) if options.name is not None
+                                 else self.options.default_target(relation.namespace, relation.name))
             return Target(spark or self.spark, location, by_name), False
         return Target(spark or self.spark, entry["location"], entry["by_name"]), True
 

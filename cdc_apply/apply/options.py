@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 DeleteMode = Literal["hard", "soft"]
@@ -55,6 +56,14 @@ class ApplyOptions:
     defaults: TableOptions = field(default_factory=TableOptions)
     table_properties: Mapping[str, str] = field(default_factory=dict)
     parallel_tables: int = 1
+    path_template: str = "{schema}/{table}"  # under the warehouse
+    name_template: str | None = None  # a catalog table name instead of a path, e.g. "lake.{schema}_{table}"
+
+    def default_target(self, schema: str, table: str) -> tuple[str, bool]:
+        """(location, by_name) of a table's target when its options name none."""
+        if self.name_template is not None:
+            return self.name_template.format(schema=schema, table=table), True
+        return str(Path(self.warehouse) / self.path_template.format(schema=schema, table=table)), False
 
     def for_table(self, schema: str, table: str) -> TableOptions:
         qualified = f"{schema}.{table}"

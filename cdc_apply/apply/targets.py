@@ -190,6 +190,3 @@ class TargetRegistry:
 
     def entries(self) -> dict[int, dict[str, Any]]:
         return {int(oid): entry for oid, entry in self._entries.items()}
-
-    def default_location(self, schema: str, table: str) -> str:
-        return str(Path(self.warehouse) / schema / table)
