@@ -35,9 +35,10 @@ from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput.framing import Keepalive
 from cdc_apply.pipeline import RunSummary, StopFlag, prepare_source
 from cdc_apply.snapshot import Snapshotter
-from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.catalog import SourceCatalog
+from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import PgOutputOptions
+from cdc_apply.sources.snapshot import SnapshotLost
 from cdc_apply.sources.stream import StreamLost, WalSenderStream
 
 if TYPE_CHECKING:
@@ -61,13 +62,16 @@ class LiveReplicator:
 
     def run(self) -> RunSummary:
         options = prepare_source(self.config)
-        self.summary.snapshots += self.snapshotter.sync()
         backoff = BACKOFF_START_S
+        copied = False
         while not self.stop.event.is_set():
             try:
+                if not copied:  # a copy cut short is cleared and done again on the next try
+                    self.summary.snapshots += self.snapshotter.sync()
+                    copied = True
                 if self._session(options):
                     backoff = BACKOFF_START_S
-            except (StreamLost, psycopg.OperationalError) as exc:  # the server went away: retry
+            except (StreamLost, SnapshotLost, psycopg.OperationalError) as exc:  # the server went away: retry
                 self.summary.reconnects += 1
                 log.warning("%s; reconnecting in %.1f s", exc, backoff)
                 self.stop.event.wait(backoff)

@@ -138,8 +138,9 @@ class PgServer:
         self._started = True
         return self
 
-    def restart(self) -> None:
-        self._run(["pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-m", "fast", "restart",
+    def restart(self, mode: str = "fast") -> None:
+        """``mode="immediate"`` is a crash: no shutdown checkpoint, recovery on start."""
+        self._run(["pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-m", mode, "restart",
                    "-l", str(self.datadir / "server.log")], _service_user())
 
     def server_log(self) -> str:

@@ -1,5 +1,5 @@
 """`run --follow` over the walsender against a real server: a concurrent workload streamed into Delta,
-a connection lost mid-stream, a server restart, and an idle slot that keeps moving."""
+a connection lost mid-stream, a server crash and restart under load, and an idle slot that keeps moving."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_follow_streams_a_concurrent_workload_into_delta(db18, spark, tmp_path) 
         assert_delta_equals_postgres(spark, conn, warehouse)
 
 
-def test_follow_reconnects_after_a_server_restart_and_moves_an_idle_slot(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_follow_survives_connection_loss_and_a_server_crash_and_moves_an_idle_slot(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     server = PgServer(bindir=available_bindirs()["pg18"]).start()
     try:
         warehouse = str(tmp_path / "wh")
@@ -105,11 +105,10 @@ def test_follow_reconnects_after_a_server_restart_and_moves_an_idle_slot(spark, 
             with psycopg.connect(server.dsn, autocommit=True) as conn:  # the connection drops mid-stream
                 assert conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_replication").fetchall()
             time.sleep(3)
+            server.restart(mode="immediate")  # a server crash under load: the slot may go back in time
+            time.sleep(3)
             load.finish()
-            # A server shutdown waits for the walsender's client to confirm everything sent, so
-            # restart once caught up (a first batch in a cold JVM can outlast pg_ctl's wait).
-            wait_until_caught_up(server.dsn, "live")
-            server.restart()
+            assert load.reconnects >= 1
             load = Load(server.dsn, sessions=2, rate_per_session=30, big_every=0, seed=2).start()
             time.sleep(4)
             load.finish()
@@ -121,8 +120,8 @@ def test_follow_reconnects_after_a_server_restart_and_moves_an_idle_slot(spark, 
                 wait_until_caught_up(server.dsn, "live")
                 confirmed = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots").fetchone()[0]
                 assert parse_lsn(confirmed) >= target
-        assert follower.replicator.summary.reconnects >= 2
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             assert_delta_equals_postgres(spark, conn, warehouse)
+        assert follower.replicator.summary.reconnects >= 1  # one or two, depending on where each hit
     finally:
         server.stop()

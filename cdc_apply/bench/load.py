@@ -55,6 +55,7 @@ class Load:
     changes: int = 0
     ledger_lsns: dict[int, int] = field(default_factory=dict)
     errors: list[BaseException] = field(default_factory=list)
+    reconnects: int = 0
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -73,17 +74,24 @@ class Load:
             raise self.errors[0]
 
     def _guarded(self, session: int) -> None:
-        try:
-            self._session(session)
-        except BaseException as exc:  # noqa: BLE001 - reported by finish()
-            self.errors.append(exc)
+        """A lost connection (the server restarted) is retried; anything else ends the session."""
+        while not self.stop.is_set():
+            try:
+                self._session(session)
+            except psycopg.OperationalError:
+                self.reconnects += 1
+                self.stop.wait(0.5)
+            except BaseException as exc:  # noqa: BLE001 - reported by finish()
+                self.errors.append(exc)
+                return
 
     def _session(self, session: int) -> None:
-        rng = random.Random(self.seed * 1000 + session)
-        base = (self.seed * 64 + session + 1) * 1_000_000_000  # sessions < 64; distinct per seed
+        rng = random.Random(self.seed * 1000 + session + 100 * self.reconnects)
+        # Keys never repeat: sessions < 64, distinct per seed, and a reconnect starts a fresh range.
+        base = (self.seed * 64 + session + 1) * 1_000_000_000 + self.reconnects * 10_000_000
         owned: list[int] = []
         next_id = base
-        count = 0
+        count = self.reconnects * 1_000_000  # journal and tag values stay distinct across reconnects
         with psycopg.connect(self.conninfo, autocommit=True) as conn:
             conn.execute("SET logical_decoding_work_mem = '64kB'")
             while not self.stop.is_set():

@@ -37,6 +37,10 @@ class PublishedTable:
         return f"{self.relation.namespace}.{self.relation.name}"
 
 
+class SnapshotLost(CdcApplyError):
+    """The exported snapshot ended before a copy finished (its connection went away)."""
+
+
 class ExportedSnapshot:
     def __init__(self, conninfo: str, slot_prefix: str = "cdc_apply_snapshot") -> None:
         self.slot = f"{slot_prefix}_{os.getpid()}"
@@ -72,7 +76,11 @@ class ExportedSnapshot:
             query = sql.SQL("{} WHERE {}").format(query, sql.SQL(table.row_filter))  # type: ignore[arg-type]
         with psycopg.connect(conninfo) as conn:
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.name)))
+            try:
+                conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.name)))
+            except psycopg.errors.UndefinedObject:
+                raise SnapshotLost(f"the exported snapshot {self.name} of temporary slot {self.slot} is gone "
+                                   f"(its connection ended) before {table.qualified_name} was copied") from None
             with conn.cursor().copy(sql.SQL("COPY ({}) TO STDOUT").format(query)) as copy:
                 chunk: list[m.TupleData] = []
                 for row in copy.rows():
