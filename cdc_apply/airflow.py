@@ -47,6 +47,8 @@ def run_batch(config_path: str, spark_conf: dict[str, str] | None = None) -> dic
         "first_lsn": format_lsn(min(lsns)) if lsns else None,
         "last_lsn": format_lsn(max(lsns)) if lsns else None,
         "confirmed_lsn": format_lsn(summary.confirmed_lsn) if summary.confirmed_lsn else None,
+        "lag_p50_s": round(summary.lag_percentile(0.5) or 0.0, 2),
+        "lag_p99_s": round(summary.lag_percentile(0.99) or 0.0, 2),
         "seconds": round(seconds, 1),
     }
 

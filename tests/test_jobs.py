@@ -141,4 +141,4 @@ def test_airflow_dag_runs_a_batch_and_returns_its_summary(db18, spark, tmp_path)
     first, second = _changes_then_oracle(spark, conninfo, tmp_path, run)
     assert first["snapshots"] == {"public.stock": 200}
     assert second["tables"]["public.stock"] == {"I": 1, "U": 66, "D": 10, "T": 0}
-    assert second["confirmed_lsn"] is not None
+    assert second["confirmed_lsn"] is not None and second["lag_p99_s"] >= second["lag_p50_s"] > 0
