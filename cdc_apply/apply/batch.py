@@ -17,8 +17,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -84,6 +84,7 @@ class BatchApplier:
         self.spark = spark
         self.catalog = catalog
         self._thread_sessions = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
         self.options = options
         self.rows = rows or ChangeRowBuilder()
         self.registry = TargetRegistry(options.warehouse)
@@ -115,13 +116,14 @@ class BatchApplier:
                         snapshot: bool) -> list[TableResult | None]:
         """Several tables at once, each thread in its own Spark session: the per-commit confs
         (txnAppId, txnVersion, userMetadata) are session state, so two threads must never share one."""
-        with ThreadPoolExecutor(self.options.parallel_tables, thread_name_prefix="cdc-apply-table") as pool:
-            futures = [pool.submit(self._apply_in_own_session, oid, segments, version, snapshot)
-                       for oid, segments in work]
-            for index, future in enumerate(as_completed(futures)):
-                future.result()
-                if index < len(futures) - 1:
-                    failpoint("between_tables")
+        if self._pool is None:  # kept for the applier's life, so each thread keeps its session
+            self._pool = ThreadPoolExecutor(self.options.parallel_tables, thread_name_prefix="cdc-apply-table")
+        futures = [self._pool.submit(self._apply_in_own_session, oid, segments, version, snapshot)
+                   for oid, segments in work]
+        for index, future in enumerate(as_completed(futures)):
+            future.result()
+            if index < len(futures) - 1:
+                failpoint("between_tables")
         return [future.result() for future in futures]
 
     def _apply_in_own_session(self, oid: int, segments: list[TableChanges], version: int,
