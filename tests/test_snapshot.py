@@ -91,3 +91,24 @@ def test_a_snapshot_killed_half_way_is_done_again(db18, spark, tmp_path) -> None
         job = Job(config_path, tmp_path / "job.log", once=True)
         assert job.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
         assert_delta_equals_postgres(spark, conn, warehouse)
+
+
+def test_a_partitioned_table_published_via_its_root_is_copied_whole(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    columns = ["id", "region", "v"]
+    config = parse_config({"pipeline": "parts", "source": {"dsn": conninfo, "slot": "parts", "publication": "parts"},
+                           "target": {"warehouse": warehouse}})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("CREATE TABLE m (id int, region text, v int, PRIMARY KEY (id, region)) PARTITION BY LIST (region);"
+                     "CREATE TABLE m_eu PARTITION OF m FOR VALUES IN ('eu');"
+                     "CREATE TABLE m_us PARTITION OF m FOR VALUES IN ('us');"
+                     "INSERT INTO m SELECT g, CASE WHEN g % 2 = 0 THEN 'eu' ELSE 'us' END, g FROM generate_series(1, 100) g;"
+                     "CREATE PUBLICATION parts FOR TABLE m WITH (publish_via_partition_root = true)")
+        assert [(s.table, s.rows) for s in drain(config, spark).snapshots] == [("public.m", 100)]
+        conn.execute("UPDATE m SET v = -v WHERE id <= 10; DELETE FROM m WHERE id > 90; INSERT INTO m VALUES (500, 'eu', 5)")
+        drain(config, spark)
+        truth = postgres_rows(conn, "public.m", columns)
+        got = delta_rows(spark, f"{warehouse}/public/m", columns, source_types(conn, "public.m"))
+        assert got == truth and len(got) == 91

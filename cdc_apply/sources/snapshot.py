@@ -31,6 +31,7 @@ KEY_FLAG = 1
 class PublishedTable:
     relation: m.Relation
     row_filter: str | None  # the publication's WHERE clause (PostgreSQL 15+), applied to the copy too
+    partitioned: bool = False  # a partition root (publish_via_partition_root): read with its partitions
 
     @property
     def qualified_name(self) -> str:
@@ -71,7 +72,9 @@ class ExportedSnapshot:
         """The table's rows at the snapshot, as text-format TupleData, ``chunk_rows`` at a time."""
         relation = table.relation
         columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in relation.columns)
-        query = sql.SQL("SELECT {} FROM ONLY {}").format(columns, sql.Identifier(relation.namespace, relation.name))
+        # ONLY: an inheritance parent's children are published (and copied) as tables of their own.
+        query = sql.SQL("SELECT {} FROM {}{}").format(columns, sql.SQL("" if table.partitioned else "ONLY "),
+                                                      sql.Identifier(relation.namespace, relation.name))
         if table.row_filter:
             query = sql.SQL("{} WHERE {}").format(query, sql.SQL(table.row_filter))  # type: ignore[arg-type]
         with psycopg.connect(conninfo) as conn:
@@ -99,7 +102,7 @@ def _tuple(row: tuple[object, ...]) -> m.TupleData:
 
 
 _TABLES_QUERY = """
-SELECT c.oid, n.nspname, c.relname, c.relreplident, p.attnames::text[], {rowfilter}
+SELECT c.oid, n.nspname, c.relname, c.relreplident, p.attnames::text[], {rowfilter}, c.relkind = 'p'
 FROM pg_publication_tables p
 JOIN pg_namespace n ON n.nspname = p.schemaname
 JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename
@@ -126,10 +129,12 @@ def published_tables(conn: psycopg.Connection, publication: str) -> list[Publish
     if version < 150000:
         query = query.replace("p.attnames::text[]", "NULL::text[]")
     tables = []
-    for oid, namespace, name, identity, published_columns, row_filter in conn.execute(query, (publication,)).fetchall():
+    rows = conn.execute(query, (publication,)).fetchall()
+    for oid, namespace, name, identity, published_columns, row_filter, partitioned in rows:
         columns = tuple(
             m.RelationColumn(KEY_FLAG if is_key else 0, column, type_oid, typmod)
             for column, type_oid, typmod, is_key in conn.execute(_COLUMNS_QUERY, (oid,)).fetchall()
             if published_columns is None or column in published_columns)
-        tables.append(PublishedTable(m.Relation(None, oid, namespace, name, identity, columns), row_filter))
+        tables.append(PublishedTable(m.Relation(None, oid, namespace, name, identity, columns), row_filter,
+                                     partitioned))
     return tables
