@@ -22,17 +22,14 @@ def run_batch(config_path: str, spark_conf: dict[str, str] | None = None) -> dic
     from cdc_apply.apply import build_spark_session
     from cdc_apply.config import load_config
     from cdc_apply.pipeline import drain
+    from cdc_apply.replay import table_totals
 
     config = load_config(config_path)
     spark = build_spark_session({**config.spark, **(spark_conf or {})})
     started = time.time()
     summary = drain(config, spark)
-    tables: dict[str, dict[str, int]] = {}
-    for batch in summary.batches:
-        for table in batch.tables:
-            counts = tables.setdefault(table.table, {"I": 0, "U": 0, "D": 0, "T": 0})
-            for op, count in table.ops.items():
-                counts[op] += count
+    totals, _ = table_totals(summary.batches)
+    tables = {name: {op: counts[op] for op in "IUDT"} for name, counts in totals.items()}
     changes = sum(batch.changes for batch in summary.batches)
     seconds = time.time() - started
     lsns = [b.last_lsn for b in summary.batches if b.last_lsn] + [b.first_lsn for b in summary.batches if b.first_lsn]

@@ -55,12 +55,9 @@ def capture_demo(path: str) -> int:
 
 def run_demo(warehouse: str | None = None) -> None:
     """The pipeline `cdc-apply run --follow` runs, on a throwaway server: snapshot, then stream."""
-    import threading
-
     from cdc_apply.apply import build_spark_session
     from cdc_apply.config import parse_config
-    from cdc_apply.live import LiveReplicator
-    from cdc_apply.pipeline import StopFlag
+    from cdc_apply.live import BackgroundReplicator
     from cdc_apply.sources.slot import wait_until_caught_up
 
     warehouse = warehouse or tempfile.mkdtemp(prefix="cdc_apply_demo_")
@@ -79,20 +76,15 @@ def run_demo(warehouse: str | None = None) -> None:
         spark = build_spark_session(config.spark)
         print("3/5 starting the pipeline: slot, initial snapshot of the existing rows, walsender stream ...",
               flush=True)
-        stop = StopFlag()
-        replicator = LiveReplicator(config, spark, stop)
-        thread = threading.Thread(target=replicator.run, name="cdc-apply-demo", daemon=True)
-        thread.start()
-        while not replicator.summary.snapshots and thread.is_alive():
-            time.sleep(0.2)
+        pipeline = BackgroundReplicator(config, spark).start()
+        pipeline.wait_for_snapshots()
         print(f"4/5 running the workload ({len(WORKLOAD) - EXISTING} statements: TOAST, a key change, a truncate, "
               "ADD COLUMN ...) while it streams ...", flush=True)
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             for statement in WORKLOAD[EXISTING:]:
                 conn.execute(statement)
             wait_until_caught_up(server.dsn, "demo", timeout=300)
-            stop.event.set()
-            thread.join()
+            summary = pipeline.finish()
             source = {table: conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # type: ignore[index]
                       for table in ("customers", "orders")}
 
@@ -105,7 +97,6 @@ def run_demo(warehouse: str | None = None) -> None:
         delta_count = frame.count()
         print(f"   PostgreSQL has {source[table]} rows, Delta has {delta_count}: "
               f"{'equal counts' if delta_count == source[table] else 'DIFFERENT'}")
-    summary = replicator.summary
     print("run summary:")
     for copied in summary.snapshots:
         print(f"  snapshot {copied.table}: {copied.rows} rows at {format_lsn(copied.consistent_lsn)}")

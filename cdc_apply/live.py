@@ -168,6 +168,45 @@ def _heartbeat(stream: WalSenderStream, confirmed: int) -> Iterator[None]:
         thread.join()
 
 
+class BackgroundReplicator:
+    """A LiveReplicator in a thread (demo, benchmarks, tests): ``finish()`` stops it the way SIGTERM
+    does, waits, and re-raises whatever ended it early."""
+
+    def __init__(self, config: Config, spark: SparkSession) -> None:
+        self.stop = StopFlag()
+        self.replicator = LiveReplicator(config, spark, self.stop)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="cdc-apply-follow", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.replicator.run()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by finish()
+            self.error = exc
+
+    def start(self) -> BackgroundReplicator:
+        self.thread.start()
+        return self
+
+    def wait_for_snapshots(self) -> None:
+        """Until the initial copy is done (the slot exists, the targets are in sync) or the thread ended."""
+        while not self.replicator.summary.snapshots and self.thread.is_alive():
+            time.sleep(0.2)
+
+    def finish(self, timeout: float | None = None) -> RunSummary:
+        self.stop.event.set()
+        self.thread.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.replicator.summary
+
+    def __enter__(self) -> BackgroundReplicator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish(timeout=120)
+
+
 def follow(config: Config, spark: SparkSession, stop: StopFlag) -> RunSummary:
     return LiveReplicator(config, spark, stop).run()
 

@@ -32,7 +32,9 @@ from cdc_apply.sources.preflight import check_source, ensure_publication_and_slo
 from cdc_apply.failpoints import failpoint
 from cdc_apply.snapshot import Snapshotter, TableSnapshot
 from cdc_apply.sources.catalog import SourceCatalog
-from cdc_apply.sources.slot import PgOutputOptions, advance_slot, read_changes, server_version_num
+from cdc_apply.sources.slot import (
+    PgOutputOptions, advance_slot, confirmed_flush, read_changes, server_version_num,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -127,7 +129,7 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
                 confirm = assembler.safe_confirm_lsn(transactions[-1].end_lsn) if transactions else 0
             finally:
                 assembler.close()
-            if confirm <= _confirmed_flush(conn, source.slot):
+            if confirm <= confirmed_flush(conn, source.slot):
                 if len(raws) >= limit:
                     limit *= 2  # one transaction is larger than the window: widen it and read again
                     continue
@@ -138,12 +140,6 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
             limit = config.batching.max_changes
             log.info("confirmed slot %s to %s", source.slot, format_lsn(confirm))
     return summary
-
-
-def _confirmed_flush(conn: psycopg.Connection, slot: str) -> int:
-    row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                       (slot,)).fetchone()
-    return parse_lsn(row[0]) if row and row[0] else 0
 
 
 def slot_status(config: Config) -> dict[str, object]:

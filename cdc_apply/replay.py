@@ -49,7 +49,8 @@ def replay(spark: SparkSession, paths: Sequence[str], options: ApplyOptions, *, 
     return results
 
 
-def print_summary(results: Sequence[BatchResult], out: TextIO) -> None:
+def table_totals(results: Sequence[BatchResult]) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    """Per table: I/U/D/T counts and keys merged over the batches; and batches skipped as already applied."""
     totals: dict[str, dict[str, int]] = {}
     skipped: dict[str, int] = {}
     for batch in results:
@@ -61,6 +62,11 @@ def print_summary(results: Sequence[BatchResult], out: TextIO) -> None:
             for op, count in table.ops.items():
                 counts[op] += count
             counts["keys"] += table.keys_written
+    return totals, skipped
+
+
+def print_summary(results: Sequence[BatchResult], out: TextIO) -> None:
+    totals, skipped = table_totals(results)
     lsns = [b.first_lsn for b in results if b.first_lsn] + [b.last_lsn for b in results if b.last_lsn]
     seconds = sum(b.seconds for b in results)
     changes = sum(b.changes for b in results)

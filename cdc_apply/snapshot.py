@@ -90,7 +90,7 @@ class Snapshotter:
         commit_ts = datetime_to_pg_us(datetime.now(timezone.utc))
         rows = 0
         with progress(f"snapshot {table.qualified_name}", estimate) as advance:
-            for chunk in snapshot.rows(self.config.source.conninfo(), table, self.config.snapshot.chunk_rows):
+            for chunk in snapshot.rows(table, self.config.snapshot.chunk_rows):
                 changes = [Change(rows + i, "I", table.relation, new=image) for i, image in enumerate(chunk)]
                 self.applier.apply([Transaction(0, version, version, commit_ts, changes, kind="snapshot")],
                                    snapshot=True)

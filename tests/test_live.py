@@ -3,17 +3,15 @@ a connection lost mid-stream, a server crash and restart under load, and an idle
 
 from __future__ import annotations
 
-import threading
 import time
 
 import psycopg
 
 from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.config import parse_config
-from cdc_apply.live import LiveReplicator
+from cdc_apply.live import BackgroundReplicator
 from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgserver import PgServer, available_bindirs
-from cdc_apply.pipeline import StopFlag
 from cdc_apply.sources.slot import wait_until_caught_up
 from tests.delta_oracle import delta_rows, source_types
 from tests.reference_apply import postgres_rows
@@ -40,32 +38,6 @@ def assert_delta_equals_postgres(spark, conn, warehouse: str) -> None:  # type: 
         assert got == truth, f"{name}: {len(got)} rows in Delta, {len(truth)} in PostgreSQL"
 
 
-class Follower:
-    """LiveReplicator in a thread, stopped the way SIGTERM stops it."""
-
-    def __init__(self, config, spark) -> None:  # type: ignore[no-untyped-def]
-        self.stop = StopFlag()
-        self.replicator = LiveReplicator(config, spark, self.stop)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.replicator.run()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test
-            self.error = exc
-
-    def __enter__(self) -> Follower:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.event.set()
-        self.thread.join(timeout=120)
-        if self.error:
-            raise self.error
-
-
 def test_follow_streams_a_concurrent_workload_into_delta(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     server, dbname = db18
     conninfo = server.conninfo(dbname)
@@ -73,7 +45,7 @@ def test_follow_streams_a_concurrent_workload_into_delta(db18, spark, tmp_path) 
     with psycopg.connect(conninfo, autocommit=True) as conn:
         create_schema(conn, "load")
         config = live_config(conninfo, warehouse, two_phase=True)
-        with Follower(config, spark) as follower:
+        with BackgroundReplicator(config, spark) as follower:
             wait_for_slot(conninfo, "live")
             load = Load(conninfo, sessions=3, rate_per_session=40, big_every=60).start()
             time.sleep(8)
@@ -98,7 +70,7 @@ def test_follow_survives_connection_loss_and_a_server_crash_and_moves_an_idle_sl
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             create_schema(conn, "load")
         config = live_config(server.dsn, warehouse)
-        with Follower(config, spark) as follower:
+        with BackgroundReplicator(config, spark) as follower:
             wait_for_slot(server.dsn, "live")
             load = Load(server.dsn, sessions=2, rate_per_session=30, big_every=0).start()
             time.sleep(4)

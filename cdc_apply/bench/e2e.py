@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import tempfile
-import threading
 import time
 
 import psycopg
@@ -18,27 +17,14 @@ import psycopg
 from cdc_apply.apply import build_spark_session
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.config import Config, parse_config
-from cdc_apply.live import LiveReplicator
+from cdc_apply.live import BackgroundReplicator
 from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgoutput.framing import XLogData
 from cdc_apply.pgserver import PgServer
-from cdc_apply.pipeline import StopFlag
 from cdc_apply.sources.preflight import protocol_options
 from cdc_apply.sources.slot import create_slot, server_version_num
 from cdc_apply.sources.slot import wait_until_caught_up
 from cdc_apply.sources.stream import WalSenderStream
-
-class _Background:
-    def __init__(self, config: Config, spark) -> None:  # type: ignore[no-untyped-def]
-        self.stop = StopFlag()
-        self.replicator = LiveReplicator(config, spark, self.stop)
-        self.thread = threading.Thread(target=self.replicator.run, daemon=True)
-        self.thread.start()
-
-    def finish(self) -> None:
-        self.stop.event.set()
-        self.thread.join()
-
 
 def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> tuple[int, float]:
     """DML messages the walsender sends for the slot up to ``upto``, and the seconds it takes."""
@@ -71,9 +57,8 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
         spark = build_spark_session(config.spark)
 
         print(f"1/2 steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming ...", flush=True)
-        pipeline = _Background(config, spark)
-        while not pipeline.replicator.summary.snapshots and pipeline.thread.is_alive():
-            time.sleep(0.2)  # the slot and the (empty) targets exist
+        pipeline = BackgroundReplicator(config, spark).start()
+        pipeline.wait_for_snapshots()  # the slot and the (empty) targets exist
         load = Load(server.dsn, sessions=sessions, rate_per_session=rate, big_every=0).start()
         started = time.perf_counter()
         time.sleep(seconds)
@@ -93,7 +78,7 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
         delivered, delivery_seconds = _delivery(server, config, "delivery", upto)
-        pipeline = _Background(config, spark)
+        pipeline = BackgroundReplicator(config, spark).start()
         started = time.perf_counter()
         wait_until_caught_up(server.dsn, "bench", timeout=1800)
         catchup_seconds = time.perf_counter() - started

@@ -91,6 +91,13 @@ def server_version_num(conn: psycopg.Connection) -> int:
     return int(conn.info.server_version)
 
 
+def confirmed_flush(conn: psycopg.Connection, slot: str) -> int:
+    """The slot's confirmed_flush_lsn (0 when the slot does not exist or has none yet)."""
+    row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                       (slot,)).fetchone()
+    return parse_lsn(row[0]) if row and row[0] else 0
+
+
 def wait_until_caught_up(conninfo: str, slot: str, timeout: float = 120.0) -> None:
     """Until the slot's confirmed position reaches the WAL position at the time of the call."""
     import time
@@ -99,9 +106,7 @@ def wait_until_caught_up(conninfo: str, slot: str, timeout: float = 120.0) -> No
         target = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                               (slot,)).fetchone()
-            if row and row[0] and parse_lsn(row[0]) >= target:
+            if confirmed_flush(conn, slot) >= target:
                 return
             time.sleep(0.2)
     raise TimeoutError(f"slot {slot} did not reach the WAL position within {timeout} s")

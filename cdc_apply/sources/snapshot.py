@@ -68,7 +68,7 @@ class ExportedSnapshot:
         if self.conn is not None:
             self.conn.close()  # a temporary slot goes with its connection
 
-    def rows(self, conninfo: str, table: PublishedTable, chunk_rows: int) -> Iterator[list[m.TupleData]]:
+    def rows(self, table: PublishedTable, chunk_rows: int) -> Iterator[list[m.TupleData]]:
         """The table's rows at the snapshot, as text-format TupleData, ``chunk_rows`` at a time."""
         relation = table.relation
         columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in relation.columns)
@@ -77,7 +77,7 @@ class ExportedSnapshot:
                                                       sql.Identifier(relation.namespace, relation.name))
         if table.row_filter:
             query = sql.SQL("{} WHERE {}").format(query, sql.SQL(table.row_filter))  # type: ignore[arg-type]
-        with psycopg.connect(conninfo) as conn:
+        with psycopg.connect(self.conninfo) as conn:
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             try:
                 conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.name)))
