@@ -20,6 +20,7 @@ Invariants (checked by tests/test_assemble*.py):
 from __future__ import annotations
 
 import pickle
+import struct
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -34,10 +35,21 @@ from cdc_apply.sources.raw import RawMessage
 
 DEFAULT_SPILL_BYTES = 64 * 1024 * 1024
 
+_UINT32 = struct.Struct("!I")
+# Insert/Update/Delete tag byte -> the tuple marker bytes allowed after its relation OID
+_ROW_MARKERS = {ord("I"): b"N", ord("U"): b"KON", ord("D"): b"KO"}
+_ROW_TAGS = frozenset(_ROW_MARKERS)
+_OPS = {tag: chr(tag) for tag in _ROW_MARKERS}
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 3x, paid per row change
 class Change:
-    """One row change. ``relation`` is the definition in force when the change was decoded."""
+    """One row change. ``relation`` is the definition in force when the change was decoded.
+
+    A change read from the stream keeps its message bytes (``wire``) and leaves its row images
+    undecoded: ``changes.py`` parses and converts them a whole table column at a time, which is
+    what keeps decoding ahead of the walsender. ``images()`` decodes one change on its own.
+    """
 
     seq: int
     op: str  # I, U, D or T
@@ -48,6 +60,31 @@ class Change:
     truncate_options: int = 0
     subxid: int | None = None  # the (sub)transaction that made it, inside streamed transactions
     lsn: int = 0  # LSN of the message (the SQL interface gives the transaction's start LSN here)
+    wire: bytes | None = None  # the Insert/Update/Delete message, images not yet decoded
+    in_stream: bool = False  # ``wire`` carries a streamed transaction's xid after its tag
+    source: str | None = None  # capture file and line, for error messages
+
+    @property
+    def image_offset(self) -> int:
+        """Where the tuple marker byte sits in ``wire``: after tag, [xid,] relation OID."""
+        return 9 if self.in_stream else 5
+
+    def images(self) -> tuple[m.TupleData | None, m.TupleData | None, m.TupleData | None]:
+        """(key, old, new), decoding ``wire`` if the images were left undecoded."""
+        if self.wire is None:
+            return self.key, self.old, self.new
+        try:
+            message = PgOutputDecoder(self.in_stream).decode(self.wire)
+        except DecodeError as exc:
+            raise exc.located(lsn=format_lsn(self.lsn), source=self.source) from None
+        if isinstance(message, m.Insert):
+            return None, None, message.new
+        if isinstance(message, (m.Update, m.Delete)):
+            old = message.old
+            new = message.new if isinstance(message, m.Update) else None
+            return (old if message.old_kind == "K" else None), (old if message.old_kind == "O" else None), new
+        raise DecodeError(f"change message became {type(message).__name__}", lsn=format_lsn(self.lsn),
+                          source=self.source)
 
 
 @dataclass
@@ -183,8 +220,11 @@ class Assembler:
     # -- public API --------------------------------------------------------------------------
 
     def feed(self, raw: RawMessage) -> list[Event]:
+        data = raw.data
+        if data and data[0] in _ROW_TAGS and self._feed_row_change(raw):
+            return []
         try:
-            message = self.decoder.decode(raw.data)
+            message = self.decoder.decode(data)
             self.last_lsn = max(self.last_lsn, raw.lsn)
             return self._handle(message, raw)
         except DecodeError as exc:
@@ -193,8 +233,33 @@ class Assembler:
             where = ", ".join(p for p in (raw.source, f"LSN {format_lsn(raw.lsn)}") if p)
             raise AssemblyError(f"{where}: {exc}") from None
 
+    def _feed_row_change(self, raw: RawMessage) -> bool:
+        """Insert/Update/Delete without decoding their row images; False when the header is not
+        well formed, so the full decoder raises the exact error."""
+        data = raw.data
+        in_stream = self.decoder.in_stream
+        head = 9 if in_stream else 5
+        if len(data) < head + 3 or data[head] not in _ROW_MARKERS[data[0]]:
+            return False
+        xid = _UINT32.unpack_from(data, 1)[0] if in_stream else None
+        relation = self.relations.get(_UINT32.unpack_from(data, head - 4)[0])
+        txn = self._current if self._stream_xid is None else self._streamed[self._stream_xid]
+        if relation is None or txn is None:
+            return False  # the full path raises the located error
+        lsn = raw.lsn
+        if lsn > self.last_lsn:
+            self.last_lsn = lsn
+        buffer = txn.buffer
+        buffer.append(Change(buffer.count, _OPS[data[0]], relation, None, None, None, 0, xid, lsn, data, in_stream,
+                             raw.source), len(data))
+        return True
+
     def events(self, raws: Iterable[RawMessage]) -> Iterator[Event]:
+        row_change = self._feed_row_change
         for raw in raws:
+            data = raw.data
+            if data and data[0] in _ROW_TAGS and row_change(raw):
+                continue  # most messages: one row change, no event
             yield from self.feed(raw)
 
     def transactions(self, raws: Iterable[RawMessage]) -> Iterator[Transaction]:
@@ -331,26 +396,15 @@ class Assembler:
             raise DecodeError(f"change for unknown relation OID {oid} (no Relation message before it)")
         return relation
 
-    def _on_insert(self, msg: m.Insert, raw: RawMessage) -> list[Event]:
+    def _on_row_message(self, msg: m.Insert | m.Update | m.Delete, raw: RawMessage) -> list[Event]:
+        # Only reached if the header fast path declined a message the decoder accepts.
         txn = self._open_for_change(msg.xid)
-        txn.buffer.append(Change(txn.buffer.count, "I", self._relation(msg.relation_oid), new=msg.new,
-                              subxid=msg.xid, lsn=raw.lsn), len(raw.data))
-        return []
-
-    def _on_update(self, msg: m.Update, raw: RawMessage) -> list[Event]:
-        txn = self._open_for_change(msg.xid)
-        key = msg.old if msg.old_kind == "K" else None
-        old = msg.old if msg.old_kind == "O" else None
-        txn.buffer.append(Change(txn.buffer.count, "U", self._relation(msg.relation_oid), key=key, old=old,
-                              new=msg.new, subxid=msg.xid, lsn=raw.lsn), len(raw.data))
-        return []
-
-    def _on_delete(self, msg: m.Delete, raw: RawMessage) -> list[Event]:
-        txn = self._open_for_change(msg.xid)
-        key = msg.old if msg.old_kind == "K" else None
-        old = msg.old if msg.old_kind == "O" else None
-        txn.buffer.append(Change(txn.buffer.count, "D", self._relation(msg.relation_oid), key=key, old=old,
-                              subxid=msg.xid, lsn=raw.lsn), len(raw.data))
+        old = None if isinstance(msg, m.Insert) else msg.old
+        old_kind = None if isinstance(msg, m.Insert) else msg.old_kind
+        new = None if isinstance(msg, m.Delete) else msg.new
+        txn.buffer.append(Change(txn.buffer.count, msg.tag, self._relation(msg.relation_oid),
+                                 key=old if old_kind == "K" else None, old=old if old_kind == "O" else None,
+                                 new=new, subxid=msg.xid, lsn=raw.lsn, source=raw.source), len(raw.data))
         return []
 
     def _on_truncate(self, msg: m.Truncate, raw: RawMessage) -> list[Event]:
@@ -417,9 +471,9 @@ _HANDLERS = {
     m.LogicalMessage: Assembler._on_logical_message,
     m.Relation: Assembler._on_relation,
     m.Type: Assembler._on_type,
-    m.Insert: Assembler._on_insert,
-    m.Update: Assembler._on_update,
-    m.Delete: Assembler._on_delete,
+    m.Insert: Assembler._on_row_message,
+    m.Update: Assembler._on_row_message,
+    m.Delete: Assembler._on_row_message,
     m.Truncate: Assembler._on_truncate,
     m.StreamStart: Assembler._on_stream_start,
     m.StreamStop: Assembler._on_stream_stop,

@@ -2,12 +2,21 @@
 
 A table's changes are split into segments at each new Relation definition, so every segment has
 one fixed image type; segments of one table come out in stream order.
+
+Two builders give the same rows (tests/test_columnar.py holds them equal): ``change_row``
+converts change by change (the reference, and the path for snapshot chunks, whose images are
+already decoded), and ``change_columns.change_table`` converts a whole column at a time (the
+path for everything read from the stream). ``TableChanges.rows`` are the Arrow rows as Python
+values for the apply's collapse.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import pyarrow as pa
@@ -19,11 +28,13 @@ from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgtypes import PgType, TypeCache, ValueConversionError
 from cdc_apply.pgtypes.sparktypes import arrow_type
 
+_WIRE, _OP, _RELATION = attrgetter("wire"), attrgetter("op"), attrgetter("relation")
+
 CHANGE_ROW_COLUMNS = ("commit_lsn", "commit_ts", "xid", "seq", "origin", "relation_oid", "schema", "table", "op",
                       "key", "old", "new", "unchanged", "truncate_options")
 
 
-class _ColumnCodec:
+class ColumnCodec:
     """Converts one column's raw bytes (text or binary) into its typed value."""
 
     __slots__ = ("name", "pg_type", "typmod", "arrow", "_text", "_binary")
@@ -45,12 +56,12 @@ class _ColumnCodec:
 @dataclass
 class RelationCodec:
     relation: m.Relation
-    columns: list[_ColumnCodec]
+    columns: list[ColumnCodec]
     key_indexes: list[int]
 
     @classmethod
     def build(cls, relation: m.Relation, types: TypeCache) -> RelationCodec:
-        columns = [_ColumnCodec(col, types.get(col.type_oid)) for col in relation.columns]
+        columns = [ColumnCodec(col, types.get(col.type_oid)) for col in relation.columns]
         return cls(relation, columns, [i for i, col in enumerate(relation.columns) if col.is_key])
 
     def image_type(self, indexes: Iterable[int] | None = None) -> pa.StructType:
@@ -86,11 +97,12 @@ class RelationCodec:
 
 @dataclass
 class TableChanges:
-    """Change rows of one table under one Relation definition."""
+    """Changes of one table under one Relation definition, in stream order."""
 
     relation: m.Relation
     codec: RelationCodec
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    transactions: list[Transaction] = field(default_factory=list)  # parallel to ``changes``
+    changes: list[Change] = field(default_factory=list)
 
     @property
     def qualified_name(self) -> str:
@@ -99,8 +111,33 @@ class TableChanges:
     def schema(self) -> pa.Schema:
         return change_row_schema(self.codec)
 
+    @property
+    def from_stream(self) -> bool:
+        """Every row change still holds its message bytes (truncates carry no images)."""
+        undecoded = list(map(_WIRE, self.changes)).count(None)
+        return undecoded == 0 or undecoded == "".join(map(_OP, self.changes)).count("T")
+
+    def scalar_rows(self) -> list[dict[str, Any]]:
+        """The change rows as Python values, converted change by change."""
+        return [change_row(txn, change, self.codec) for txn, change in zip(self.transactions, self.changes)]
+
+    @cached_property
+    def rows(self) -> list[dict[str, Any]]:
+        """The change rows as Python values: timestamps as microseconds, dates as days since 1970."""
+        from cdc_apply.change_columns import NotArrowRepresentable, python_rows
+
+        if not self.from_stream:
+            return self.scalar_rows()
+        try:
+            return python_rows(self.to_arrow())
+        except NotArrowRepresentable:
+            return self.scalar_rows()
+
     def to_arrow(self) -> pa.Table:
-        return pa.Table.from_pylist(self.rows, schema=self.schema())
+        """The change rows as Arrow."""
+        from cdc_apply.change_columns import change_table
+
+        return change_table(self) if self.from_stream else pa.Table.from_pylist(self.scalar_rows(), schema=self.schema())
 
 
 def change_row_schema(codec: RelationCodec) -> pa.Schema:
@@ -138,40 +175,60 @@ class ChangeRowBuilder:
     def build(self, transactions: Iterable[Transaction]) -> list[TableChanges]:
         segments: list[TableChanges] = []
         current: dict[int, TableChanges] = {}
+
+        def segment_for(relation: m.Relation) -> TableChanges:
+            segment = current.get(relation.oid)
+            if segment is None or (segment.relation is not relation and segment.relation != relation):
+                segment = current[relation.oid] = TableChanges(relation, self.codec(relation))
+                segments.append(segment)
+            return segment
+
         for txn in transactions:
             for type_message in txn.types:
                 self.types.add(type_message.oid, type_message.namespace, type_message.name)
-            for change in txn.changes:
-                segment = current.get(change.relation.oid)
-                if segment is None or segment.relation != change.relation:
-                    segment = TableChanges(change.relation, self.codec(change.relation))
-                    current[change.relation.oid] = segment
-                    segments.append(segment)
-                segment.rows.append(self.row(txn, change, segment.codec))
+            changes = txn.changes
+            if not changes:
+                continue
+            if len(set(map(id, map(_RELATION, changes)))) == 1:  # the common case: one table, one definition
+                segment = segment_for(changes[0].relation)
+                segment.transactions.extend(repeat(txn, len(changes)))
+                segment.changes.extend(changes)
+                continue
+            for change in changes:
+                segment = segment_for(change.relation)
+                segment.transactions.append(txn)
+                segment.changes.append(change)
         return segments
 
-    def row(self, txn: Transaction, change: Change, codec: RelationCodec) -> dict[str, Any]:
-        def where() -> str:
-            return f"LSN {format_lsn(change.lsn)} (transaction {txn.xid}, change {change.seq})"
 
-        relation = change.relation
-        key_source = change.key or change.old or change.new
-        return {
-            "commit_lsn": txn.commit_lsn,
-            "commit_ts": pg_us_to_unix_us(txn.commit_ts),
-            "xid": txn.xid,
-            "seq": change.seq,
-            "origin": txn.origin,
-            "relation_oid": relation.oid,
-            "schema": relation.namespace,
-            "table": relation.name,
-            "op": change.op,
-            "key": codec.image(key_source, codec.key_indexes, where) if change.op != "T" else None,
-            "old": codec.image(change.old, None, where),
-            "new": codec.image(change.new, None, where),
-            "unchanged": codec.unchanged(change.new),
-            "truncate_options": change.truncate_options if change.op == "T" else None,
-        }
+def where_change(txn: Transaction, change: Change) -> str:
+    place = f"LSN {format_lsn(change.lsn)} (transaction {txn.xid}, change {change.seq})"
+    return f"{change.source}, {place}" if change.source else place
+
+
+def change_row(txn: Transaction, change: Change, codec: RelationCodec) -> dict[str, Any]:
+    def where() -> str:
+        return where_change(txn, change)
+
+    relation = change.relation
+    key, old, new = change.images()
+    key_source = key or old or new
+    return {
+        "commit_lsn": txn.commit_lsn,
+        "commit_ts": pg_us_to_unix_us(txn.commit_ts),
+        "xid": txn.xid,
+        "seq": change.seq,
+        "origin": txn.origin,
+        "relation_oid": relation.oid,
+        "schema": relation.namespace,
+        "table": relation.name,
+        "op": change.op,
+        "key": codec.image(key_source, codec.key_indexes, where) if change.op != "T" else None,
+        "old": codec.image(old, None, where),
+        "new": codec.image(new, None, where),
+        "unchanged": codec.unchanged(new),
+        "truncate_options": change.truncate_options if change.op == "T" else None,
+    }
 
 
 def change_rows(transactions: Iterable[Transaction], types: TypeCache | None = None) -> list[TableChanges]:

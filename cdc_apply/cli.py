@@ -17,6 +17,7 @@ from cdc_apply.errors import CdcApplyError
 from cdc_apply.logs import configure as configure_logging
 from cdc_apply.logs import redact
 from cdc_apply.lsn import format_lsn
+from cdc_apply.runtime import tune_gc
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("benchmark", choices=["decode", "apply", "e2e"], help="which benchmark")
     bench.add_argument("--messages", type=int, default=500_000, help="decode: messages to generate")
     bench.add_argument("--binary", action="store_true", help="decode: capture with binary=true")
+    bench.add_argument("--rounds", type=int, default=3, help="decode: timed rounds per stage (medians compared)")
     bench.add_argument("--rows", type=int, default=10_000_000, help="apply: rows in the target table")
     bench.add_argument("--changes", type=int, default=1_000_000, help="apply: mixed changes to merge")
     bench.add_argument("--per-transaction-slice", type=int, default=2_000,
@@ -188,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.verbose, args.log_format)
+    tune_gc()
     try:
         return int(args.handler(args))
     except ConfigError as exc:

@@ -19,6 +19,7 @@ from cdc_apply.pgoutput.decoder import PgOutputDecoder
 from cdc_apply.sources.slot import server_version_num
 from tests.capture_helpers import peek
 from tests.conftest import fresh_database
+from tests.rows_compare import assert_columnar_matches_scalar
 from tests.reference_apply import ReferenceTables, postgres_rows
 from tests.workloads import TABLES, run_golden_workload, variants
 
@@ -78,6 +79,17 @@ def test_text_and_binary_captures_give_the_same_change_rows(golden) -> None:  # 
         text_rows = [seg.rows for seg in change_rows(Assembler().transactions(captures[(variant.name, False)]))]
         binary_rows = [seg.rows for seg in change_rows(Assembler().transactions(captures[(variant.name, True)]))]
         assert text_rows == binary_rows and sum(map(len, text_rows)) > 100, variant.name
+
+
+def test_columnar_change_rows_equal_the_change_by_change_ones(golden) -> None:  # type: ignore[no-untyped-def]
+    version, found, captures, truth = golden
+    compared = 0
+    for (name, binary), raws in captures.items():
+        for segment in change_rows(Assembler().transactions(raws)):
+            assert segment.from_stream
+            assert_columnar_matches_scalar(segment, f"{name} binary={binary} {segment.qualified_name}")
+            compared += len(segment.changes)
+    assert compared > 1000
 
 
 def test_protocol_features_are_decoded_faithfully(golden) -> None:  # type: ignore[no-untyped-def]

@@ -6,6 +6,9 @@ Invariants:
 - Exactly once: a table's commits carry ``txnAppId = <pipeline>/<relation oid>`` and
   ``txnVersion = the batch's last commit LSN``. Rows at or below the version a target already
   holds are dropped before collapse, so a replayed or re-split batch changes nothing twice.
+  A Structured Streaming micro-batch (``apply(..., stream_batch=(query id, batch id))``) uses
+  ``txnAppId = <query id>/<relation oid>`` and ``txnVersion = batch id`` instead: Spark re-runs a
+  batch with the same id and the same offsets, so a table that already holds it skips it whole.
 - Schema changes are judged against the state stored in the target (``cdc_apply.source``), and
   only for Relation definitions newer than the one that state was made from.
 """
@@ -62,6 +65,15 @@ class TableResult:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class Versioning:
+    """How a batch's Delta commits are made idempotent (see the module invariants)."""
+
+    app_prefix: str
+    version: int
+    by_lsn: bool  # versions are commit LSNs: rows at or below the committed one are dropped
+
+
 @dataclass
 class BatchResult:
     transactions: int
@@ -89,14 +101,19 @@ class BatchApplier:
         self.rows = rows or ChangeRowBuilder()
         self.registry = TargetRegistry(options.warehouse)
 
-    def apply(self, transactions: Iterable[Transaction], *, snapshot: bool = False) -> BatchResult:
+    def apply(self, transactions: Iterable[Transaction], *, snapshot: bool = False,
+              stream_batch: tuple[str, int] | None = None) -> BatchResult:
         """``snapshot``: the transactions are initial-snapshot chunks for tables the caller cleared
-        (inserts only, appended; no transaction ids; the caller records the sync point)."""
+        (inserts only, appended; no transaction ids; the caller records the sync point).
+        ``stream_batch``: (query id, batch id) of a Structured Streaming micro-batch."""
         started = time.perf_counter()
         transactions = list(transactions)
         if not transactions:
             return BatchResult(0, None, None, [], 0.0)
-        version = transactions[-1].commit_lsn
+        if stream_batch is None:
+            version = Versioning(self.options.pipeline, transactions[-1].commit_lsn, by_lsn=True)
+        else:
+            version = Versioning(stream_batch[0], stream_batch[1], by_lsn=False)
         by_table: dict[int, list[TableChanges]] = {}
         for segment in self.rows.build(transactions):
             by_table.setdefault(segment.relation.oid, []).append(segment)
@@ -109,10 +126,10 @@ class BatchApplier:
                 if index:
                     failpoint("between_tables")
                 results.append(self.apply_table(oid, segments, version, snapshot))
-        return BatchResult(len(transactions), transactions[0].commit_lsn, version,
+        return BatchResult(len(transactions), transactions[0].commit_lsn, transactions[-1].commit_lsn,
                            [r for r in results if r is not None], time.perf_counter() - started)
 
-    def _apply_parallel(self, work: list[tuple[int, list[TableChanges]]], version: int,
+    def _apply_parallel(self, work: list[tuple[int, list[TableChanges]]], version: Versioning,
                         snapshot: bool) -> list[TableResult | None]:
         """Several tables at once, each thread in its own Spark session: the per-commit confs
         (txnAppId, txnVersion, userMetadata) are session state, so two threads must never share one."""
@@ -126,15 +143,15 @@ class BatchApplier:
                 failpoint("between_tables")
         return [future.result() for future in futures]
 
-    def _apply_in_own_session(self, oid: int, segments: list[TableChanges], version: int,
+    def _apply_in_own_session(self, oid: int, segments: list[TableChanges], version: Versioning,
                               snapshot: bool) -> TableResult | None:
         session = getattr(self._thread_sessions, "spark", None)
         if session is None:
             session = self._thread_sessions.spark = self.spark.newSession()
         return self.apply_table(oid, segments, version, snapshot, session)
 
-    def app_id(self, oid: int) -> str:
-        return f"{self.options.pipeline}/{oid}"
+    def app_id(self, oid: int, prefix: str | None = None) -> str:
+        return f"{prefix or self.options.pipeline}/{oid}"
 
     def target(self, relation: m.Relation, options: TableOptions,
                spark: SparkSession | None = None) -> tuple[Target, bool]:
@@ -156,7 +173,7 @@ class BatchApplier:
             self.registry.add(relation.oid, target.location, target.by_name, relation.namespace, relation.name)
         return target, existed
 
-    def apply_table(self, oid: int, segments: list[TableChanges], version: int, snapshot: bool = False,
+    def apply_table(self, oid: int, segments: list[TableChanges], versioning: Versioning, snapshot: bool = False,
                     spark: SparkSession | None = None) -> TableResult | None:
         started = time.perf_counter()
         relation = segments[0].relation
@@ -166,7 +183,8 @@ class BatchApplier:
             return None
         target, registered = self.target(relation, options, spark)
         result = TableResult(qualified, target.location)
-        app_id = self.app_id(oid)
+        app_id = self.app_id(oid, versioning.app_prefix)
+        version = versioning.version
         exists = target.exists()  # also when the registry was lost: the table holds its own state
         done = target.committed_version(app_id) if exists and not snapshot else None
         if done is not None and done >= version:
@@ -176,7 +194,9 @@ class BatchApplier:
         collapser: Collapser | None = None
         backfills: list[BackfillTargetColumn] = []
         for segment in segments:
-            rows = segment.rows if done is None else [r for r in segment.rows if r["commit_lsn"] > done]
+            rows = segment.rows
+            if done is not None and versioning.by_lsn:
+                rows = [r for r in rows if r["commit_lsn"] > done]
             if not rows:
                 continue
             position = (rows[0]["commit_lsn"], rows[0]["seq"])

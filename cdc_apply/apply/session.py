@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,7 +55,8 @@ def spark_conf(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def build_spark_session(overrides: Mapping[str, str] | None = None) -> SparkSession:
-    """A Spark session with Delta configured from the cached jars, UTC, quiet logs.
+    """A Spark session with Delta configured from the cached jars, UTC, quiet logs, and the
+    ``pgoutput`` data source registered.
 
     ``overrides`` is the ``spark`` section of the config: any Spark conf, including ``spark.master``.
     """
@@ -62,11 +64,16 @@ def build_spark_session(overrides: Mapping[str, str] | None = None) -> SparkSess
 
     if launched_by_spark_submit():
         _add_jars_to_driver(resolve_jars())
+    # Python workers (the pgoutput data source) must run this interpreter, the one with cdc_apply.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder
     for key, value in spark_conf(overrides).items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    from cdc_apply.spark.datasource import register
+
+    register(spark)  # format("pgoutput")
     return spark
 
 

@@ -143,6 +143,9 @@ def _truncate(r: Reader, xid: int | None) -> m.Truncate:
     if count < 0:
         raise r.fail(f"relation count is negative ({count})", r.pos - 4)
     options = r.byte("option bits")
+    if options & ~(m.TRUNCATE_CASCADE | m.TRUNCATE_RESTART_IDENTITY):
+        raise r.fail(f"option bits {options:#04x} hold bits other than CASCADE (1) and RESTART IDENTITY (2)",
+                     r.pos - 1)
     r.need(4 * count, f"{count} relation OIDs")
     return m.Truncate(xid, options, tuple(r.uint32("relation OID") for _ in range(count)))
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import struct
-from decimal import Decimal, InvalidOperation
+from decimal import Context, Decimal, InvalidOperation
 
 from cdc_apply.pgtypes.registry import (
     PgType, UnrepresentableValueError, ValueConversionError, fixed, register,
 )
 
 SPARK_MAX_DECIMAL_PRECISION = 38
+_WIDE = Context(prec=2 * SPARK_MAX_DECIMAL_PRECISION)
 NUMERIC_SPECIALS = {0xC000: "NaN", 0xD000: "Infinity", 0xF000: "-Infinity"}
 
 
@@ -92,16 +93,35 @@ def _numeric_spark_type(typmod: int) -> str:
 
 
 def _numeric_value(text: str, typmod: int) -> Decimal | str:
-    if _numeric_is_decimal(typmod) is None:
+    ps = _numeric_is_decimal(typmod)
+    if ps is None:
         return text
     if text in ("NaN", "Infinity", "-Infinity"):
         raise UnrepresentableValueError(
             f"numeric value {text} does not fit Spark decimal (column typmod {typmod}); "
             "map the column to string to keep it")
     try:
-        return Decimal(text)
+        value = Decimal(text)
     except InvalidOperation:
         raise ValueConversionError(f"not a numeric: {text!r}") from None
+    if not _fits(value, *ps):
+        raise ValueConversionError(f"numeric value {text} does not fit numeric({ps[0]},{ps[1]})")
+    # Exactly the column's scale: Arrow misreads a Decimal whose digit count exceeds its precision.
+    return value.quantize(Decimal(1).scaleb(-ps[1]), context=_WIDE)
+
+
+def _fits(value: Decimal, precision: int, scale: int) -> bool:
+    """No non-zero digit past ``scale`` and at most ``precision - scale`` integer digits."""
+    _, digits, exponent = value.as_tuple()
+    if not isinstance(exponent, int):
+        return False
+    extra_fraction = -exponent - scale
+    if extra_fraction > 0 and any(digits[-extra_fraction:]):
+        return False
+    significant = list(digits)
+    while significant and significant[0] == 0:
+        significant.pop(0)
+    return len(significant) + exponent <= precision - scale
 
 
 def _numeric_text(text: str, typmod: int) -> Decimal | str:

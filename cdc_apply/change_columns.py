@@ -1,0 +1,283 @@
+"""Change rows of one table segment as Arrow, built a column at a time.
+
+The contract is ``changes.change_row``'s (DESIGN.md change rows); this builder must give the
+same table (tests/test_columnar.py compares them on real captures). The row images of every
+change are parsed together (``pgoutput/columnar.py``) and each image column is converted by
+one vector converter (``pgtypes/vectorized.py``), falling back to the type's scalar converter
+for a column the vector one declines.
+
+Invariant: a malformed message is never read as data. Any change the vector parse flags is
+re-decoded alone by the scalar path, which raises the error naming its LSN and byte offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from operator import attrgetter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from cdc_apply.assemble import Change, Transaction
+from cdc_apply.changes import RelationCodec, TableChanges, ColumnCodec, change_row, where_change
+from cdc_apply.errors import CdcApplyError
+from cdc_apply.lsn import pg_us_to_unix_us
+from cdc_apply.pgoutput import messages as m
+from cdc_apply.pgoutput.columnar import TupleSpans, gather_values, parse_tuples
+from cdc_apply.pgtypes import ValueConversionError
+from cdc_apply.pgtypes.vectorized import FALLBACK_ERRORS, VectorFallback, convert_binary, convert_text
+
+_N, _K, _O, _U, _T = (ord(c) for c in "NKOUT")
+_OP_CODES = np.array([ord(c) for c in "DITU"], np.uint8)
+_OP_NAMES = pa.array(list("DITU"), pa.string())
+_OP, _SEQ, _IN_STREAM, _TRUNCATE_OPTIONS = (attrgetter(name) for name in ("op", "seq", "in_stream", "truncate_options"))
+
+
+@dataclass
+class Image:
+    """One row image over the wire-backed changes: spans per column, and which rows have it."""
+
+    kinds: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    present: np.ndarray
+
+
+@dataclass
+class ParsedSegment:
+    """A segment's row images parsed (not yet converted), with the columns every form shares."""
+
+    segment: TableChanges
+    wired: list[int]  # rows whose change holds message bytes (all but truncates)
+    buf: np.ndarray
+    key: Image | None  # None: every key image is the new row's
+    old: Image
+    new: Image
+    take: pa.Array | None  # wired position of each row, when truncates are mixed in
+    common: dict[str, pa.Array]  # every change-row column but the images
+
+    def where(self, row: int) -> str:
+        index = self.wired[row]
+        return where_change(self.segment.transactions[index], self.segment.changes[index])
+
+
+def parse_segment(segment: TableChanges) -> ParsedSegment:
+    """Every row change of ``segment`` must hold its message bytes (``from_stream``)."""
+    changes = segment.changes
+    count = len(changes)
+    ops = np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8)
+    truncates = ops == _T
+    wired = list(range(count)) if not truncates.any() else [i for i, c in enumerate(changes) if c.wire is not None]
+    buf, key, old, new = parse_images(segment, wired)
+    relation = segment.relation
+    common = _transaction_columns(segment.transactions)
+    common.update({
+        "seq": pa.array(np.fromiter(map(_SEQ, changes), np.int32, count)),
+        "relation_oid": pa.array(np.full(count, relation.oid, np.int64)),
+        "schema": pa.array([relation.namespace]).take(np.zeros(count, np.int32)),
+        "table": pa.array([relation.name]).take(np.zeros(count, np.int32)),
+        "op": _OP_NAMES.take(np.searchsorted(_OP_CODES, ops)),
+        "unchanged": _unchanged(new, segment.codec, count, wired),
+        "truncate_options": (pa.array(np.fromiter(map(_TRUNCATE_OPTIONS, changes), np.int8, count), mask=~truncates)
+                             if truncates.any() else pa.nulls(count, pa.int8())),
+    })
+    take = None if len(wired) == count else _row_index(count, wired)
+    return ParsedSegment(segment, wired, buf, key, old, new, take, common)
+
+
+def change_table(segment: TableChanges) -> pa.Table:
+    """The segment's change rows with typed images; every row change must hold its message bytes."""
+    parsed = parse_segment(segment)
+    buf, take, where = parsed.buf, parsed.take, parsed.where
+    codec = segment.codec
+    every_column = list(range(len(codec.columns)))
+    new, old, key = parsed.new, parsed.old, parsed.key
+    new_children = _children(buf, new, codec, every_column, where)
+    if key is None:  # reuse the new image's converted key columns
+        key_children = None if new_children is None else [new_children[i] for i in codec.key_indexes]
+        key_struct = _struct(key_children, codec, codec.key_indexes, new.present, take)
+    else:
+        key_struct = _struct(_children(buf, key, codec, codec.key_indexes, where), codec, codec.key_indexes,
+                             key.present, take)
+    columns = dict(parsed.common)
+    columns.update({
+        "key": key_struct,
+        "old": _struct(_children(buf, old, codec, every_column, where), codec, every_column, old.present, take),
+        "new": _struct(new_children, codec, every_column, new.present, take),
+    })
+    schema = segment.schema()
+    return pa.Table.from_arrays([columns[f.name].cast(f.type) for f in schema], schema=schema)
+
+
+def _transaction_columns(txns: list[Transaction]) -> dict[str, pa.Array]:
+    """Per-transaction fields, read once per transaction and repeated over its changes."""
+    ids = np.fromiter(map(id, txns), np.int64, len(txns))
+    starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1]))) if len(ids) else np.zeros(0, np.int64)
+    run = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(ids))))
+    heads = [txns[i] for i in starts]
+    return {
+        "commit_lsn": pa.array([t.commit_lsn for t in heads], pa.int64()).take(run),
+        "commit_ts": pa.array([pg_us_to_unix_us(t.commit_ts) for t in heads], pa.int64()).take(run),
+        "xid": pa.array([t.xid for t in heads], pa.int64()).take(run),
+        "origin": pa.array([t.origin for t in heads], pa.string()).take(run),
+    }
+
+
+def _row_index(count: int, wired: list[int]) -> pa.Array:
+    """For each change row, its index among the wire-backed changes (null for truncates)."""
+    index: list[int | None] = [None] * count
+    for position, row in enumerate(wired):
+        index[row] = position
+    return pa.array(index, type=pa.int64())
+
+
+def parse_images(segment: TableChanges, wired: list[int]) -> tuple[np.ndarray, Image | None, Image, Image]:
+    """(buffer, key image, old image, new image) of the wire-backed changes; the key image is None
+    when every change's key comes from its new image."""
+    changes: list[Change] = segment.changes if len(wired) == len(segment.changes) else [segment.changes[i] for i in wired]
+    wires = [c.wire or b"" for c in changes]
+    in_stream = np.fromiter(map(_IN_STREAM, changes), bool, len(changes))
+    columns = len(segment.codec.columns)
+    lengths = np.fromiter(map(len, wires), np.int64, len(wires))
+    ends = np.cumsum(lengths)
+    buf = np.frombuffer(b"".join(wires), np.uint8)
+    markers_at = ends - lengths + np.where(in_stream, 9, 5)  # Change.image_offset, for all at once
+    markers = buf[markers_at] if len(buf) else np.zeros(0, np.uint8)
+    ops = np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8)
+
+    first = parse_tuples(buf, markers_at + 1, ends, columns)
+    bad = first.bad.copy()
+    end = first.end.copy()
+    two = (ops == _U) & (markers != _N)  # an Update with an old image: then 'N' and the new tuple
+    second_rows = np.nonzero(two)[0]
+    second = None
+    if len(second_rows):
+        between = first.end[second_rows]
+        marker_ok = (between < ends[second_rows]) & (buf[np.clip(between, 0, len(buf) - 1)] == _N)
+        second = parse_tuples(buf, between + 1, ends[second_rows], columns)
+        bad[second_rows] |= ~marker_ok | second.bad
+        end[second_rows] = second.end
+    bad |= end != ends
+    if bad.any():
+        _raise_scalar_error(segment, wired[int(np.argmax(bad))])
+
+    new_in_first = markers == _N
+    new = _image_from(first, new_in_first)
+    if second is not None:
+        new.kinds[second_rows] = second.kinds
+        new.starts[second_rows] = second.starts
+        new.lengths[second_rows] = second.lengths
+        new.present[second_rows] = True
+    old = _image_from(first, markers == _O)
+    key_in_first = (markers == _K) | (markers == _O)
+    if not key_in_first.any():
+        return buf, None, old, new
+    key = Image(np.where(key_in_first[:, None], first.kinds, new.kinds),
+                 np.where(key_in_first[:, None], first.starts, new.starts),
+                 np.where(key_in_first[:, None], first.lengths, new.lengths),
+                 key_in_first | new.present)
+    return buf, key, old, new
+
+
+def _image_from(spans: TupleSpans, rows: np.ndarray) -> Image:
+    """The image ``rows`` have in ``spans``; other rows get kind 0 (no value), which is what
+    gathering and the unchanged-TOAST list look at, so their starts and lengths can stay."""
+    return Image(np.where(rows[:, None], spans.kinds, 0).astype(np.uint8), spans.starts.copy(),
+                  spans.lengths.copy(), rows.copy())
+
+
+def _raise_scalar_error(segment: TableChanges, row: int) -> None:
+    txn, change = segment.transactions[row], segment.changes[row]
+    change_row(txn, change, segment.codec)  # raises the located decode or column-count error
+    raise CdcApplyError(f"{where_change(txn, change)}: the columnar parse rejected a change the "
+                        "scalar decoder accepts; please report this with the capture")
+
+
+def _children(buf: np.ndarray, image: Image, codec: RelationCodec, indexes: list[int],
+              where: Callable[[int], str]) -> list[pa.Array] | None:
+    """The image's columns converted; None when no change row has this image."""
+    if not image.present.any():
+        return None
+    return [_column(buf, image.kinds[:, i], image.starts[:, i], image.lengths[:, i], codec.columns[i], where)
+            for i in indexes]
+
+
+def _struct(children: list[pa.Array] | None, codec: RelationCodec, indexes: list[int], present: np.ndarray,
+            take: pa.Array | None) -> pa.Array:
+    arrow = codec.image_type(indexes)
+    if children is None:
+        return pa.nulls(len(present) if take is None else len(take), arrow)
+    if not indexes:
+        struct = pa.array([{} if p else None for p in present], type=arrow)
+    else:
+        struct = pa.StructArray.from_arrays(children, fields=list(arrow), mask=pa.array(~present))
+    return struct if take is None else struct.take(take)
+
+
+def _column(buf: np.ndarray, kinds: np.ndarray, starts: np.ndarray, lengths: np.ndarray, column: ColumnCodec,
+            where: Callable[[int], str]) -> pa.Array:
+    raw = gather_values(buf, kinds, starts, lengths)
+    oid = column.pg_type.oid
+    try:
+        if not np.any(kinds == m.KIND_BINARY):
+            values = convert_text(oid, raw.cast(pa.large_string()), column.arrow)
+        elif not np.any(kinds == m.KIND_TEXT):
+            values = convert_binary(oid, raw, column.arrow)
+        else:
+            raise VectorFallback("text and binary values mixed in one column")
+        return values if values.type == column.arrow else values.cast(column.arrow)
+    except FALLBACK_ERRORS:
+        return _scalar_column(raw, kinds, column, where)
+
+
+def _scalar_column(raw: pa.Array, kinds: np.ndarray, column: ColumnCodec, where: Callable[[int], str]) -> pa.Array:
+    values: list[Any] = []
+    for row, value in enumerate(raw.to_pylist()):
+        if value is None:
+            values.append(None)
+            continue
+        try:
+            values.append(column.convert(int(kinds[row]), value))
+        except (ValueConversionError, UnicodeDecodeError, ValueError) as exc:
+            raise CdcApplyError(f"{where(row)}: column {column.name!r} ({column.pg_type.name}): {exc}") from None
+    try:
+        return pa.array(values, type=column.arrow)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
+        raise NotArrowRepresentable(f"column {column.name!r} ({column.pg_type.name}) holds a value its Arrow type "
+                                    f"{column.arrow} cannot (a multi-dimensional array?): {exc}") from None
+
+
+class NotArrowRepresentable(CdcApplyError):
+    """A decoded value the column's Arrow type cannot hold (a multi-dimensional array in a depth-one
+    array column). Python change rows can still carry it; the apply decides (docs/apply.md)."""
+
+
+def _unchanged(new: Image, codec: RelationCodec, count: int, wired: list[int]) -> pa.Array:
+    """Per change row, the columns sent as unchanged TOAST; an empty list when none (truncates too)."""
+    toast = new.kinds == m.KIND_UNCHANGED_TOAST
+    per_row = np.zeros(count, dtype=np.int32)
+    per_row[wired] = toast.sum(axis=1)
+    offsets = np.zeros(count + 1, dtype=np.int32)
+    np.cumsum(per_row, out=offsets[1:])
+    names = pa.array([c.name for c in codec.columns], pa.string()).take(pa.array(np.nonzero(toast)[1]))
+    return pa.ListArray.from_arrays(pa.array(offsets), names)
+
+
+def python_rows(table: pa.Table) -> list[dict[str, Any]]:
+    """Arrow change rows -> the Python values ``change_row`` gives (it carries timestamps as
+    microseconds and dates as days since 1970, which hold infinities; Arrow would give datetimes)."""
+    return table.cast(pa.schema([f.with_type(_python_view(f.type)) for f in table.schema])).to_pylist()
+
+
+def _python_view(arrow: pa.DataType) -> pa.DataType:
+    if pa.types.is_timestamp(arrow):
+        return pa.int64()
+    if pa.types.is_date32(arrow):
+        return pa.int32()
+    if pa.types.is_list(arrow):
+        return pa.list_(_python_view(arrow.value_type))
+    if pa.types.is_struct(arrow):
+        return pa.struct([arrow.field(i).with_type(_python_view(arrow.field(i).type)) for i in range(arrow.num_fields)])
+    return arrow

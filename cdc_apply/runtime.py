@@ -1,0 +1,19 @@
+"""Process-wide settings for the processes cdc_apply owns (the CLI, the spark-submit jobs)."""
+
+from __future__ import annotations
+
+import gc
+
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def tune_gc() -> None:
+    """Collect the young generation every 50,000 allocations instead of 700.
+
+    Decoding keeps about two objects per row change alive until its batch is applied, so with
+    the default threshold the collector walks the growing batch again and again: measured at
+    20-40% of decode time in ``cdc-apply bench decode``. Nothing cdc_apply builds has cycles
+    that need prompt collection. Library users (the Spark data source) keep their own settings.
+    """
+    young, middle, old = gc.get_threshold()
+    gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), middle, old)

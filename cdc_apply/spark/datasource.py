@@ -1,0 +1,198 @@
+"""``spark.read.format("pgoutput")`` and ``spark.readStream.format("pgoutput")``.
+
+Batch reads take capture files (``.load(paths)``) or peek a slot without consuming it. A
+streaming read follows a slot with offsets that are LSNs.
+
+Invariants (tests/test_datasource.py):
+- Offsets are transaction end LSNs: a micro-batch holds every transaction whose commit ends in
+  (start, end], whole; a transaction is never split between batches.
+- ``commit(end)`` is the only thing that moves the slot, and Spark calls it after the batch's
+  sink has committed. It moves the slot to ``end`` or, when a streamed or prepared transaction
+  is still undecided, to that transaction's start (``Assembler.safe_confirm_lsn``), never further.
+- Reading a range again (a restart from the checkpoint) peeks the slot from its confirmed
+  position, which is at or before ``start``, so it gets the same transactions.
+- The slot confirmed past ``start`` means someone else consumed it: the read fails, naming both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import psycopg
+import pyarrow as pa
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+
+from cdc_apply.assemble import Assembler, Transaction
+from cdc_apply.errors import CdcApplyError
+from cdc_apply.lsn import format_lsn, parse_lsn
+from cdc_apply.sources.capture import read_captures
+from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
+from cdc_apply.sources.raw import RawMessage
+from cdc_apply.sources.slot import PgOutputOptions, advance_slot, confirmed_flush, read_changes, server_version_num
+from cdc_apply.spark.options import ReaderOptions, reader_options
+from cdc_apply.spark.rows import SPARK_DDL, record_batches
+
+
+class PgOutputDataSource(DataSource):
+    """Change rows (``cdc_apply.spark.rows``) from capture files or a replication slot."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "pgoutput"
+
+    def schema(self) -> str:
+        return SPARK_DDL
+
+    def reader(self, schema: object) -> DataSourceReader:
+        return PgOutputBatchReader(reader_options(self.options))
+
+    def streamReader(self, schema: object) -> DataSourceStreamReader:
+        options = reader_options(self.options)
+        if options.paths:
+            raise CdcApplyError("pgoutput option path: a streaming read follows a slot, not capture files")
+        return PgOutputStreamReader(options)
+
+
+@dataclass
+class SlotRange(InputPartition):
+    """Transactions ending in (start, end]; ``lsns``/``datas``: the messages, when already read."""
+
+    start: int
+    end: int
+    lsns: list[int] | None = None
+    datas: list[bytes] | None = None
+
+
+@dataclass
+class CaptureFiles(InputPartition):
+    paths: tuple[str, ...]
+
+
+def _protocol(conn: psycopg.Connection, options: ReaderOptions) -> PgOutputOptions:
+    return protocol_options(options.source, server_version_num(conn))
+
+
+def _assembled(raws: list[RawMessage], options: ReaderOptions) -> tuple[list[Transaction], Assembler]:
+    assembler = Assembler(spill_bytes=options.spill_bytes, skip_origins=options.source.skip_origins)
+    try:
+        return list(assembler.transactions(raws)), assembler
+    finally:
+        assembler.close()
+
+
+class PgOutputBatchReader(DataSourceReader):
+    def __init__(self, options: ReaderOptions) -> None:
+        self.options = options
+
+    def partitions(self) -> Sequence[InputPartition]:
+        # The files of one capture are one stream: Relation messages in one apply to the next.
+        if self.options.paths:
+            return [CaptureFiles(self.options.paths)]
+        with psycopg.connect(self.options.source.conninfo(), autocommit=True) as conn:
+            start = confirmed_flush(conn, self.options.source.slot)
+            end = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+        return [SlotRange(start, end)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        if isinstance(partition, CaptureFiles):
+            transactions, _ = _assembled(list(read_captures(partition.paths)), self.options)
+            yield from record_batches(transactions)
+            return
+        assert isinstance(partition, SlotRange)
+        yield from _read_range(self.options, partition)
+
+
+def _read_range(options: ReaderOptions, part: SlotRange) -> Iterator[pa.RecordBatch]:
+    if part.datas is None:
+        with psycopg.connect(options.source.conninfo(), autocommit=True) as conn:
+            confirmed = confirmed_flush(conn, options.source.slot)
+            if confirmed > part.start:
+                raise CdcApplyError(
+                    f"slot {options.source.slot} is confirmed to {format_lsn(confirmed)}, past this batch's start "
+                    f"{format_lsn(part.start)}: another consumer advanced it, or the checkpoint belongs to "
+                    "another slot; the changes in between are gone from it")
+            raws = list(read_changes(conn, options.source.slot, _protocol(conn, options), upto_lsn=part.end))
+    else:
+        raws = [RawMessage(lsn, None, data, f"slot {options.source.slot}")
+                for lsn, data in zip(part.lsns or [], part.datas, strict=True)]
+    transactions, _ = _assembled(raws, options)
+    yield from record_batches(t for t in transactions if part.start < t.end_lsn <= part.end)
+
+
+class PgOutputStreamReader(DataSourceStreamReader):
+    def __init__(self, options: ReaderOptions) -> None:
+        self.options = options
+        self._prefetched: SlotRange | None = None
+        self._confirm: dict[int, int] = {}  # end offset -> the LSN the slot may be confirmed to
+
+    def _connect(self) -> psycopg.Connection:
+        return psycopg.connect(self.options.source.conninfo(), autocommit=True)
+
+    def initialOffset(self) -> dict:
+        with self._connect() as conn:
+            check_source(conn, self.options.source, lambda schema, table: False)
+            ensure_publication_and_slot(conn, self.options.source)
+            return {"lsn": format_lsn(confirmed_flush(conn, self.options.source.slot))}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        limit = self.options.max_changes_per_trigger
+        return ReadAllAvailable() if limit is None else ReadMaxRows(limit)
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        """The end of the last whole transaction within the limit (``start`` when there is none)."""
+        begin = parse_lsn(start["lsn"])
+        window = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        source = self.options.source
+        with self._connect() as conn:
+            protocol = _protocol(conn, self.options)
+            upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+            while True:
+                raws = list(read_changes(conn, source.slot, protocol, upto_lsn=upto, upto_nchanges=window))
+                transactions, assembler = _assembled(raws, self.options)
+                fresh = [t for t in transactions if t.end_lsn > begin]
+                if fresh or window is None or len(raws) < window:
+                    break
+                window *= 2  # the slot still holds transactions before start, or one is larger than the window
+        if not fresh:
+            return start
+        end = fresh[-1].end_lsn
+        self._confirm[end] = min(end, assembler.safe_confirm_lsn(end))
+        self._prefetched = SlotRange(begin, end, [r.lsn for r in raws], [r.data for r in raws])
+        return {"lsn": format_lsn(end)}
+
+    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        begin, finish = parse_lsn(start["lsn"]), parse_lsn(end["lsn"])
+        if begin >= finish:
+            return []
+        cached = self._prefetched
+        self._prefetched = None
+        if cached is not None and (cached.start, cached.end) == (begin, finish):
+            return [cached]
+        return [SlotRange(begin, finish)]  # a restart: the range is read again from the slot
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, SlotRange)
+        yield from _read_range(self.options, partition)
+
+    def commit(self, end: dict) -> None:
+        finish = parse_lsn(end["lsn"])
+        confirm = self._confirm.pop(finish, None)
+        with self._connect() as conn:
+            if confirm is None:  # not planned by this reader (the first batch after a restart)
+                confirm = self._safe_confirm(conn, finish)
+            if confirm > confirmed_flush(conn, self.options.source.slot):
+                advance_slot(conn, self.options.source.slot, confirm)
+        for stale in [lsn for lsn in self._confirm if lsn <= finish]:
+            del self._confirm[stale]
+
+    def _safe_confirm(self, conn: psycopg.Connection, finish: int) -> int:
+        raws = list(read_changes(conn, self.options.source.slot, _protocol(conn, self.options), upto_lsn=finish))
+        _, assembler = _assembled(raws, self.options)
+        return min(finish, assembler.safe_confirm_lsn(finish))
+
+
+def register(spark: object) -> None:
+    """Make ``format("pgoutput")`` available in this Spark session."""
+    spark.dataSource.register(PgOutputDataSource)  # type: ignore[attr-defined]

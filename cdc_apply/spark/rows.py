@@ -1,0 +1,100 @@
+"""Change rows as the ``pgoutput`` Spark data source hands them over: one schema for every table.
+
+A Spark source has one schema, but each table's images have their own columns, so here the
+images are maps of column name -> the value as PostgreSQL prints it (text mode). Two more
+columns carry what the apply needs to type them exactly as ``cdc-apply run`` does:
+``_cdc_relation`` (the Relation message in force) and ``_cdc_change`` (the change's message).
+
+Invariant: the map values are the bytes PostgreSQL sent, unchanged; SQL NULL is a null value and
+an unchanged TOAST column is absent from ``new`` and named in ``unchanged``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from cdc_apply.assemble import Transaction
+from cdc_apply.change_columns import Image, ParsedSegment, parse_segment
+from cdc_apply.changes import ChangeRowBuilder, TableChanges
+from cdc_apply.errors import CdcApplyError
+from cdc_apply.pgoutput import messages as m
+from cdc_apply.pgoutput.columnar import gather_values
+from cdc_apply.pgoutput.encode import encode_relation
+
+IMAGE = pa.map_(pa.string(), pa.string())
+# Exactly what Spark expects of SPARK_DDL (every field nullable, list items named "element").
+SOURCE_SCHEMA = pa.schema([
+    pa.field("commit_lsn", pa.int64()),
+    pa.field("commit_ts", pa.timestamp("us", tz="UTC")),
+    pa.field("xid", pa.int64()),
+    pa.field("seq", pa.int32()),
+    pa.field("origin", pa.string()),
+    pa.field("relation_oid", pa.int64()),
+    pa.field("schema", pa.string()),
+    pa.field("table", pa.string()),
+    pa.field("op", pa.string()),
+    pa.field("key", IMAGE),
+    pa.field("old", IMAGE),
+    pa.field("new", IMAGE),
+    pa.field("unchanged", pa.list_(pa.field("element", pa.string()))),
+    pa.field("truncate_options", pa.int8()),
+    pa.field("end_lsn", pa.int64()),
+    pa.field("_cdc_relation", pa.binary()),
+    pa.field("_cdc_change", pa.binary()),
+])
+SPARK_DDL = ("commit_lsn bigint, commit_ts timestamp, xid bigint, seq int, origin string, relation_oid bigint, "
+             "schema string, table string, op string, key map<string,string>, old map<string,string>, "
+             "new map<string,string>, unchanged array<string>, truncate_options tinyint, end_lsn bigint, "
+             "_cdc_relation binary, _cdc_change binary")
+
+
+def record_batches(transactions: Iterable[Transaction], builder: ChangeRowBuilder | None = None) -> Iterator[pa.RecordBatch]:
+    """One record batch per table segment, in stream order within each table."""
+    for segment in (builder or ChangeRowBuilder()).build(transactions):
+        yield segment_batch(segment)
+
+
+def segment_batch(segment: TableChanges) -> pa.RecordBatch:
+    parsed = parse_segment(segment)
+    codec = segment.codec
+    every_column = list(range(len(codec.columns)))
+    count = len(segment.changes)
+    columns = dict(parsed.common)
+    columns["key"] = _text_map(parsed, parsed.key or parsed.new, codec.key_indexes)
+    columns["old"] = _text_map(parsed, parsed.old, every_column)
+    columns["new"] = _text_map(parsed, parsed.new, every_column)
+    columns["end_lsn"] = pa.array([t.end_lsn for t in segment.transactions], pa.int64())
+    columns["_cdc_relation"] = pa.array([encode_relation(segment.relation)]).take(np.zeros(count, np.int32))
+    columns["_cdc_change"] = pa.array([_plain_wire(c.wire, c.in_stream) for c in segment.changes], pa.binary())
+    return pa.RecordBatch.from_arrays([columns[f.name].cast(f.type) for f in SOURCE_SCHEMA], schema=SOURCE_SCHEMA)
+
+
+def _plain_wire(wire: bytes | None, in_stream: bool) -> bytes | None:
+    """The message as it reads outside a stream block: without the streamed xid after the tag."""
+    if wire is None or not in_stream:
+        return wire
+    return wire[:1] + wire[5:]
+
+
+def _text_map(parsed: ParsedSegment, image: Image, indexes: list[int]) -> pa.Array:
+    names = parsed.segment.codec.columns
+    rows = len(parsed.wired)
+    kinds = image.kinds[:, indexes]
+    if np.any(kinds == m.KIND_BINARY):
+        raise CdcApplyError(f"{parsed.segment.qualified_name}: a binary-format value reached the data source, "
+                            "whose images are PostgreSQL text (read with binary=false)")
+    included = (kinds == m.KIND_TEXT) | (kinds == m.KIND_NULL)  # absent: 'u' and rows without the image
+    offsets = np.zeros(rows + 1, np.int32)
+    np.cumsum(included.sum(axis=1), out=offsets[1:])
+    values = [gather_values(parsed.buf, kinds[:, j], image.starts[:, i], image.lengths[:, i])
+              for j, i in enumerate(indexes)]
+    row, position = np.nonzero(included)  # row-major: each row's columns in table order
+    stacked = pa.concat_arrays(values) if values else pa.array([], pa.large_binary())
+    items = stacked.take(pa.array(position * rows + row)).cast(pa.large_string()).cast(pa.string())
+    keys = pa.array([names[i].name for i in indexes], pa.string()).take(pa.array(position))
+    result = pa.MapArray.from_arrays(pa.array(offsets), keys, items, mask=pa.array(~image.present))
+    return result if parsed.take is None else result.take(parsed.take)
+
