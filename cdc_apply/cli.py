@@ -99,6 +99,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_stream(args: argparse.Namespace) -> int:
+    from cdc_apply.apply import build_spark_session
+    from cdc_apply.config import load_config
+    from cdc_apply.pipeline import StopFlag
+    from cdc_apply.stream_job import run_stream
+
+    config = load_config(args.config)
+    spark = build_spark_session(config.spark)
+    with StopFlag().on_signals() as stop:
+        batches = run_stream(config, spark, stop)
+    for progress in batches:
+        source = progress["sources"][0]
+        print(f"batch {progress['batchId']}: {progress['numInputRows']} change rows in "
+              f"{progress['batchDuration'] / 1000:.1f} s, LSN {(source['startOffset'] or {}).get('lsn', '-')}"
+              f"..{(source['endOffset'] or {}).get('lsn', '-')}")
+    return EXIT_OK
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from cdc_apply.config import load_config
     from cdc_apply.pipeline import slot_status
@@ -159,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="stream from the walsender until SIGTERM/SIGINT (batches by batching.max_changes "
                            "or batching.max_seconds)")
 
+    stream = verb("stream", _cmd_stream, "a Structured Streaming query: format(\"pgoutput\") -> foreachBatch -> Delta")
+    stream.add_argument("--config", required=True, help="YAML config file")
     status = verb("status", _cmd_status, "print the slot's confirmed position and lag as JSON")
     status.add_argument("--config", required=True, help="YAML config")
 

@@ -146,6 +146,15 @@ class SnapshotConfig(_Strict):
     chunk_rows: int = Field(100_000, ge=1)
 
 
+class StreamConfig(_Strict):
+    """``cdc-apply stream`` / jobs/stream_changes.py: Structured Streaming over format("pgoutput")."""
+
+    checkpoint_location: str | None = None  # None: <warehouse>/_cdc_apply/checkpoints/<pipeline>
+    trigger: Literal["processing_time", "available_now"] = "processing_time"
+    interval_seconds: float = Field(5.0, gt=0)  # processing_time: time between micro-batch starts
+    max_changes_per_trigger: int | None = Field(None, ge=1)  # None: batching.max_changes
+
+
 class Config(_Strict):
     pipeline: str = Field("cdc_apply", pattern=r"^[A-Za-z0-9_.\-]+$")
     source: SourceConfig = SourceConfig()
@@ -154,6 +163,7 @@ class Config(_Strict):
     tables: dict[str, TableConfig] = {}
     batching: BatchingConfig = BatchingConfig()
     snapshot: SnapshotConfig = SnapshotConfig()
+    stream: StreamConfig = StreamConfig()
     spark: dict[str, str] = {}
 
     def apply_options(self) -> ApplyOptions:

@@ -6,9 +6,14 @@ streaming read follows a slot with offsets that are LSNs.
 Invariants (tests/test_datasource.py):
 - Offsets are transaction end LSNs: a micro-batch holds every transaction whose commit ends in
   (start, end], whole; a transaction is never split between batches.
-- ``commit(end)`` is the only thing that moves the slot, and Spark calls it after the batch's
-  sink has committed. It moves the slot to ``end`` or, when a streamed or prepared transaction
-  is still undecided, to that transaction's start (``Assembler.safe_confirm_lsn``), never further.
+- The slot moves only to positions the sink holds: ``commit(end)``, which Spark calls after the
+  batch's sink has committed, and ``latestOffset(start)``, which Spark calls only once the batch
+  ending at ``start`` has committed (it runs one batch at a time; without this an idle query
+  would hold its last batch's WAL, since Spark commits a batch's source offsets only when it
+  plans the next batch). Either moves the slot to that end or, when a streamed or prepared
+  transaction is still undecided, to its start (``Assembler.safe_confirm_lsn``), never further.
+- An idle query (no published change) moves its offset over other WAL once a WAL segment's worth
+  has passed, with an empty batch, so a quiet publication does not hold the server's WAL.
 - Reading a range again (a restart from the checkpoint) peeks the slot from its confirmed
   position, which is at or before ``start``, so it gets the same transactions.
 - The slot confirmed past ``start`` means someone else consumed it: the read fails, naming both.
@@ -33,6 +38,9 @@ from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import PgOutputOptions, advance_slot, confirmed_flush, read_changes, server_version_num
 from cdc_apply.spark.options import ReaderOptions, reader_options
 from cdc_apply.spark.rows import SPARK_DDL, record_batches
+
+
+IDLE_ADVANCE_BYTES = 16 * 1024 * 1024  # one WAL segment
 
 
 class PgOutputDataSource(DataSource):
@@ -155,8 +163,10 @@ class PgOutputStreamReader(DataSourceStreamReader):
                 if fresh or window is None or len(raws) < window:
                     break
                 window *= 2  # the slot still holds transactions before start, or one is larger than the window
+            self._confirm_up_to(conn, min(begin, assembler.safe_confirm_lsn(begin)))
         if not fresh:
-            return start
+            idle = not assembler.open_streamed() and not assembler.pending_prepared() and len(raws) == 0
+            return {"lsn": format_lsn(upto)} if idle and upto - begin >= IDLE_ADVANCE_BYTES else start
         end = fresh[-1].end_lsn
         self._confirm[end] = min(end, assembler.safe_confirm_lsn(end))
         self._prefetched = SlotRange(begin, end, [r.lsn for r in raws], [r.data for r in raws])
@@ -182,10 +192,13 @@ class PgOutputStreamReader(DataSourceStreamReader):
         with self._connect() as conn:
             if confirm is None:  # not planned by this reader (the first batch after a restart)
                 confirm = self._safe_confirm(conn, finish)
-            if confirm > confirmed_flush(conn, self.options.source.slot):
-                advance_slot(conn, self.options.source.slot, confirm)
+            self._confirm_up_to(conn, confirm)
         for stale in [lsn for lsn in self._confirm if lsn <= finish]:
             del self._confirm[stale]
+
+    def _confirm_up_to(self, conn: psycopg.Connection, lsn: int) -> None:
+        if lsn > confirmed_flush(conn, self.options.source.slot):
+            advance_slot(conn, self.options.source.slot, lsn)
 
     def _safe_confirm(self, conn: psycopg.Connection, finish: int) -> int:
         raws = list(read_changes(conn, self.options.source.slot, _protocol(conn, self.options), upto_lsn=finish))

@@ -1,0 +1,177 @@
+"""The ``pgoutput`` Spark data source and the ``foreach_batch`` apply, on a real PostgreSQL and Delta.
+
+- Streamed through ``readStream.format("pgoutput")`` + ``foreachBatch``, a concurrent workload
+  ends with Delta equal to PostgreSQL; a restart from the checkpoint applies nothing twice.
+- Batch reads of capture files equal ``cdc-apply decode --changes``; a slot read does not consume.
+- Bad options fail naming the option.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import psycopg
+import pytest
+
+from cdc_apply.apply.foreach import foreach_batch
+from cdc_apply.bench.load import Load, create_schema
+from cdc_apply.config import parse_config
+from cdc_apply.lsn import parse_lsn
+from cdc_apply.pgtypes import lookup
+from cdc_apply.sources.capture import write_jsonl, write_parquet
+from cdc_apply.sources.slot import PgOutputOptions, confirmed_flush, create_slot, read_changes
+from cdc_apply.stream_job import checkpoint_location, start_stream
+from tests.test_decode_cli import _cli
+from tests.test_live import assert_delta_equals_postgres
+
+
+def _stream_config(conninfo: str, warehouse: str, **stream: object):  # type: ignore[no-untyped-def]
+    return parse_config({"pipeline": "ds", "source": {"dsn": conninfo, "slot": "ds", "publication": "load"},
+                         "target": {"warehouse": warehouse},
+                         "stream": {"interval_seconds": 0.5, "max_changes_per_trigger": 4000, **stream}})
+
+
+def _journal_count(spark, warehouse: str) -> int:  # type: ignore[no-untyped-def]
+    return spark.read.format("delta").load(f"{warehouse}/public/journal").count()
+
+
+@pytest.mark.timeout(1200)
+def test_a_streaming_query_keeps_delta_equal_to_postgres(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    config = _stream_config(conninfo, warehouse)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        create_schema(conn, "load")
+        create_slot(conn, "ds")
+        load = Load(conninfo, sessions=2, rate_per_session=30, big_every=80).start()
+        query = start_stream(config, spark)
+        try:
+            time.sleep(12)
+            load.finish()
+            query.processAllAvailable()
+            batches = [p for p in query.recentProgress if p["numInputRows"]]
+        finally:
+            query.stop()
+        assert load.committed > 50 and len(batches) >= 2
+        # Each batch reports its LSN range; ranges follow each other without gaps or overlap.
+        ranges = [(p["sources"][0]["startOffset"], p["sources"][0]["endOffset"]) for p in batches]
+        assert all(end is not None and "lsn" in end for _, end in ranges)
+        assert all(later[0] == earlier[1] for earlier, later in zip(ranges, ranges[1:]) if later[0])
+        assert_delta_equals_postgres(spark, conn, warehouse)
+        journal = _journal_count(spark, warehouse)
+        # The slot never runs ahead of Delta, and a restart from the checkpoint re-applies nothing.
+        conn.execute("INSERT INTO journal (note) VALUES ('after restart')")
+        query = start_stream(config, spark)
+        try:
+            query.processAllAvailable()
+        finally:
+            query.stop()
+        assert _journal_count(spark, warehouse) == journal + 1
+        assert_delta_equals_postgres(spark, conn, warehouse)
+        assert confirmed_flush(conn, "ds") > 0
+
+
+def test_a_batch_replayed_with_its_id_is_skipped(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """foreach_batch's txnAppId/txnVersion: the same (query, batch id) applied twice changes nothing."""
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, n int); CREATE PUBLICATION load FOR TABLE t")
+        create_slot(conn, "ds")
+        conn.execute("INSERT INTO t SELECT g, g FROM generate_series(1, 20) g")
+        conn.execute("UPDATE t SET n = n + 1")
+    frame = spark.read.format("pgoutput").option("dsn", conninfo).option("slot", "ds").option("publication", "load").load()
+    apply = foreach_batch(_stream_config(conninfo, warehouse))
+    spark.sparkContext.setLocalProperty("sql.streaming.queryId", "query-1")
+    try:
+        apply(frame, 0)
+        apply(frame, 0)  # Spark re-running batch 0 after a failure
+        apply(frame, 1)  # a later batch: applied (the changes are idempotent upserts)
+    finally:
+        spark.sparkContext.setLocalProperty("sql.streaming.queryId", None)
+    first, again, later = apply.results  # type: ignore[attr-defined]
+    assert [t.skipped for t in first.tables] == [False] and [t.skipped for t in again.tables] == [True]
+    assert [t.skipped for t in later.tables] == [False]
+    rows = spark.read.format("delta").load(f"{warehouse}/public/t").orderBy("id").collect()
+    assert [(r.id, r.n) for r in rows] == [(g, g + 1) for g in range(1, 21)]
+    history = spark.sql(f"DESCRIBE HISTORY delta.`{warehouse}/public/t`").collect()
+    assert sum(1 for h in history if h.operation == "MERGE") == 2
+
+
+def test_batch_reads_equal_decode_and_do_not_consume_the_slot(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text, d date, amount numeric(8,2), big text)")
+        conn.execute("ALTER TABLE t REPLICA IDENTITY FULL")
+        conn.execute("CREATE TABLE u (k bigint PRIMARY KEY, at timestamptz)")
+        conn.execute("CREATE PUBLICATION p FOR TABLE t, u")
+        create_slot(conn, "cap")
+        conn.execute("INSERT INTO t VALUES (1, 'a', '2024-01-02', 1.5, repeat('x', 10000)), (2, NULL, NULL, -3, NULL)")
+        conn.execute("INSERT INTO u VALUES (7, '2024-05-06 07:08:09.123456+02')")
+        conn.execute("UPDATE t SET v = 'b' WHERE id = 1")
+        conn.execute("UPDATE t SET id = 3 WHERE id = 2")
+        conn.execute("DELETE FROM u")
+        conn.execute("TRUNCATE t")
+        raws = list(read_changes(conn, "cap", PgOutputOptions(("p",))))
+        before = confirmed_flush(conn, "cap")
+        from_slot = (spark.read.format("pgoutput").option("dsn", conninfo).option("slot", "cap")
+                     .option("publication", "p").load().collect())
+        assert confirmed_flush(conn, "cap") == before
+    jsonl, parquet = tmp_path / "c.jsonl", tmp_path / "c.parquet"
+    write_jsonl(jsonl, raws)
+    write_parquet(parquet, raws)
+    decoded = [json.loads(line) for line in _cli("decode", "--changes", str(jsonl)).stdout.splitlines()]
+    assert len(decoded) == 7
+    for path in (jsonl, parquet):
+        rows = spark.read.format("pgoutput").load(str(path)).collect()
+        _assert_rows_equal_decode(rows, decoded)
+    _assert_rows_equal_decode(from_slot, decoded)
+
+
+def _assert_rows_equal_decode(rows, decoded) -> None:  # type: ignore[no-untyped-def]
+    ordered = sorted(rows, key=lambda r: (r.commit_lsn, r.seq))
+    decoded = sorted(decoded, key=lambda d: (parse_lsn(d["commit_lsn"]), d["seq"]))
+    assert len(ordered) == len(decoded)
+    types = {"id": 23, "v": 25, "d": 1082, "amount": 1700, "big": 25, "k": 20, "at": 1184}
+    typmods = {"amount": (8 << 16 | 2) + 4}
+    for row, want in zip(ordered, decoded, strict=True):
+        assert (row.op, row.schema, row.table, row.seq, row.xid) == (want["op"], want["schema"], want["table"],
+                                                                      want["seq"], want["xid"])
+        assert sorted(row.unchanged) == sorted(want["unchanged"])
+        for image in ("key", "old", "new"):
+            got, expected = getattr(row, image), want[image]
+            if expected is None:
+                assert got is None, (image, row)
+                continue
+            rendered = {name: None if text is None else _render(types[name], text, typmods.get(name, -1))
+                        for name, text in got.items()}
+            assert rendered == {k: v for k, v in expected.items() if k in rendered}, (image, row)
+            assert set(expected) - set(rendered) <= set(row.unchanged)
+
+
+def _render(oid: int, text: str, typmod: int) -> object:
+    pg_type = lookup(oid)
+    assert pg_type is not None
+    return pg_type.to_json(pg_type.from_text(text, typmod))
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("proto_version", "9", "proto_version"),
+    ("streaming", "sometimes", "streaming"),
+    ("binary", "true", "binary"),
+    ("maxChangesPerTrigger", "0", "maxChangesPerTrigger"),
+    ("slott", "x", "slott: unknown key"),
+])
+def test_bad_options_fail_naming_the_option(spark, option: str, value: str, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(Exception, match=message):
+        spark.read.format("pgoutput").option(option, value).option("path", "/nonexistent.jsonl").load().collect()
+
+
+def test_the_stream_checkpoint_defaults_under_the_warehouse(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = _stream_config("host=x", str(tmp_path / "wh"))
+    assert checkpoint_location(config) == str(tmp_path / "wh" / "_cdc_apply" / "checkpoints" / "ds")
+    assert parse_config({"stream": {"checkpoint_location": "/c"}}).stream.checkpoint_location == "/c"
