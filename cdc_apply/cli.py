@@ -103,7 +103,7 @@ def _cmd_stream(args: argparse.Namespace) -> int:
     from cdc_apply.apply import build_spark_session
     from cdc_apply.config import load_config
     from cdc_apply.pipeline import StopFlag
-    from cdc_apply.stream_job import run_stream
+    from cdc_apply.stream_job import offset_lsn, run_stream
 
     config = load_config(args.config)
     spark = build_spark_session(config.spark)
@@ -112,8 +112,8 @@ def _cmd_stream(args: argparse.Namespace) -> int:
     for progress in batches:
         source = progress["sources"][0]
         print(f"batch {progress['batchId']}: {progress['numInputRows']} change rows in "
-              f"{progress['batchDuration'] / 1000:.1f} s, LSN {(source['startOffset'] or {}).get('lsn', '-')}"
-              f"..{(source['endOffset'] or {}).get('lsn', '-')}")
+              f"{progress['batchDuration'] / 1000:.1f} s, LSN {offset_lsn(source['startOffset'])}"
+              f"..{offset_lsn(source['endOffset'])}")
     return EXIT_OK
 
 
@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config", help="YAML config file")
 
     bench = verb("bench", _cmd_bench, "benchmarks that report side-by-side ratios")
-    bench.add_argument("benchmark", choices=["decode", "apply", "e2e"], help="which benchmark")
+    bench.add_argument("benchmark", choices=["decode", "apply", "e2e", "stream"], help="which benchmark")
     bench.add_argument("--messages", type=int, default=500_000, help="decode: messages to generate")
     bench.add_argument("--binary", action="store_true", help="decode: capture with binary=true")
     bench.add_argument("--rounds", type=int, default=3, help="decode: timed rounds per stage (medians compared)")
@@ -199,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--changes", type=int, default=1_000_000, help="apply: mixed changes to merge")
     bench.add_argument("--per-transaction-slice", type=int, default=2_000,
                        help="apply: changes applied as one MERGE per 100-row transaction, for comparison")
-    bench.add_argument("--seconds", type=float, default=30.0, help="e2e: length of each load phase")
-    bench.add_argument("--rate", type=float, default=50.0, help="e2e: steady transactions/s per session")
+    bench.add_argument("--seconds", type=float, default=30.0, help="e2e, stream: length of each load phase")
+    bench.add_argument("--rate", type=float, default=50.0, help="e2e, stream: steady transactions/s per session")
     bench.add_argument("--sessions", type=int, default=2, help="e2e: concurrent load sessions")
     bench.add_argument("--parallel-tables", type=int, default=4, help="e2e: batching.parallel_tables")
     return parser

@@ -7,10 +7,11 @@ On SIGTERM/SIGINT the running micro-batch finishes, then the query stops (exit 0
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from cdc_apply.apply.foreach import foreach_batch
 from cdc_apply.config import Config, SourceConfig
@@ -38,15 +39,32 @@ def source_options(source: SourceConfig, max_changes_per_trigger: int | None = N
     return options
 
 
+def offset_lsn(offset: dict[str, Any] | str | None) -> str:
+    """The LSN of a progress report's offset (Spark gives it as a dict or as its JSON text)."""
+    if offset is None:
+        return "-"
+    if isinstance(offset, str):
+        offset = json.loads(offset)
+    return str(offset.get("lsn", "-")) if isinstance(offset, dict) else "-"
+
+
 def checkpoint_location(config: Config) -> str:
     return config.stream.checkpoint_location or str(Path(config.target.warehouse) / "_cdc_apply" / "checkpoints"
                                                     / config.pipeline)
 
 
-def start_stream(config: Config, spark: SparkSession) -> StreamingQuery:
+@overload
+def start_stream(config: Config, spark: SparkSession) -> StreamingQuery: ...
+@overload
+def start_stream(config: Config, spark: SparkSession, with_function: Literal[True]) -> tuple[StreamingQuery, Any]: ...
+
+
+def start_stream(config: Config, spark: SparkSession, with_function: bool = False) -> Any:
+    """The query; with ``with_function`` also its foreach_batch function (``.summary``: batches, lag)."""
     limit = config.stream.max_changes_per_trigger or config.batching.max_changes
     reader = spark.readStream.format("pgoutput").options(**source_options(config.source, limit))
-    writer = (reader.load().writeStream.foreachBatch(foreach_batch(config)).queryName(config.pipeline)
+    apply = foreach_batch(config)
+    writer = (reader.load().writeStream.foreachBatch(apply).queryName(config.pipeline)
               .option("checkpointLocation", checkpoint_location(config)))
     if config.stream.trigger == "available_now":
         writer = writer.trigger(availableNow=True)
@@ -55,7 +73,7 @@ def start_stream(config: Config, spark: SparkSession) -> StreamingQuery:
     query = writer.start()
     log.info("streaming query %s (id %s) started, checkpoint %s", config.pipeline, query.id,
              checkpoint_location(config))
-    return query
+    return (query, apply) if with_function else query
 
 
 def run_stream(config: Config, spark: SparkSession, stop: StopFlag) -> list[dict[str, Any]]:

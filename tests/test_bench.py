@@ -15,9 +15,10 @@ def _ratio(output: str, label: str) -> float:
 
 
 def test_bench_decode_reports_its_ratio_to_walsender_delivery() -> None:
-    run = _cli("bench", "decode", "--messages", "3000")
+    run = _cli("bench", "decode", "--messages", "3000", "--rounds", "1")
     assert run.returncode == 0, run.stderr[-3000:]
     assert _ratio(run.stdout, "decode \\+ assemble") > 0
+    assert _ratio(run.stdout, "change rows as Arrow") > 0 and _ratio(run.stdout, "rows as Python values") > 0
 
 
 def test_bench_apply_reports_merge_against_append() -> None:
@@ -31,3 +32,13 @@ def test_bench_e2e_reports_lag_and_catch_up_against_delivery() -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert re.search(r"lag p50 [0-9.]+ s, p99 [0-9.]+ s", run.stdout), run.stdout[-3000:]
     assert _ratio(run.stdout, "pipeline catch-up") > 0
+
+
+def test_bench_stream_compares_the_streaming_query_with_follow() -> None:
+    run = _cli("bench", "stream", "--seconds", "3", "--rate", "10")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for label in ("run --follow", "streaming query"):
+        line = next(line for line in run.stdout.splitlines() if line.strip().startswith(label))
+        assert re.search(r"lag p50 [0-9.]+ s, p99 [0-9.]+ s; catch-up +[0-9,]+ changes/s, ratio to delivery [0-9.]+x",
+                         line), line
+    assert re.search(r"streaming query / run --follow: steady [0-9.]+x, catch-up [0-9.]+x", run.stdout)

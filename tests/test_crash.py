@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -33,16 +34,18 @@ RANDOM_KILLS = 20
 class Job:
     """`cdc-apply run --follow` (or ``--once``) as a child process; its output goes to a log file."""
 
-    def __init__(self, config: Path, log: Path, failpoint: str | None = None, once: bool = False) -> None:
+    def __init__(self, config: Path, log: Path, failpoint: str | None = None, once: bool = False,
+                 verb: tuple[str, ...] | None = None, ready: str = "streaming slot") -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("CDC_APPLY_FAILPOINT", None)
         if failpoint:
             env["CDC_APPLY_FAILPOINT"] = failpoint
         self.log = log
+        self.ready = ready
         self.streaming = threading.Event()
-        self.process = subprocess.Popen([sys.executable, "-m", "cdc_apply.cli", "run", "--once" if once else "--follow", "--config",
-                                         str(config)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
+        verb = verb or ("run", "--once" if once else "--follow")
+        self.process = subprocess.Popen([sys.executable, "-m", "cdc_apply.cli", *verb, "--config", str(config)],
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -51,7 +54,7 @@ class Job:
         with self.log.open("a") as out:
             for line in self.process.stdout:
                 out.write(line)
-                if "streaming slot" in line:
+                if self.ready in line:
                     self.streaming.set()
 
     def wait(self, timeout: float) -> int:
@@ -75,16 +78,32 @@ def _assert_confirmed_is_durable(spark, conn, load: Load, warehouse: str) -> Non
     assert not missing, f"slot confirmed past {len(missing)} transactions Delta does not hold: {sorted(missing)[:5]}"
 
 
+def crash_config(tmp_path: Path, conninfo: str, **sections: object) -> tuple[Path, str, Path]:
+    """(config file, warehouse, job log) of a pipeline named ``crash`` on slot ``crash``."""
+    warehouse = str(tmp_path / "wh")
+    config = tmp_path / "crash.yaml"
+    config.write_text(json.dumps({"pipeline": "crash", "source": {"dsn": conninfo, "slot": "crash", "publication": "load"},
+                                  "target": {"warehouse": warehouse}, **sections}))
+    return config, warehouse, tmp_path / "jobs.log"
+
+
+def kill_at_random_points(spark, conn, load: Load, warehouse: str, new_job: Callable[[], Job],  # type: ignore[no-untyped-def]
+                          rng: random.Random) -> None:
+    """RANDOM_KILLS times: start a job, SIGKILL it at a random moment, check the slot against Delta."""
+    for _ in range(RANDOM_KILLS):
+        job = new_job()
+        assert job.streaming.wait(timeout=180), job.log.read_text()[-3000:]
+        time.sleep(rng.uniform(0, 12))
+        job.process.send_signal(signal.SIGKILL)
+        assert job.wait(timeout=60) == -signal.SIGKILL
+        _assert_confirmed_is_durable(spark, conn, load, warehouse)
+
+
 @pytest.mark.timeout(2400)
 def test_kill_9_at_stage_boundaries_and_random_points(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     server, dbname = db18
     conninfo = server.conninfo(dbname)
-    warehouse = str(tmp_path / "wh")
-    log = tmp_path / "jobs.log"
-    config = tmp_path / "crash.yaml"
-    config.write_text(json.dumps({
-        "pipeline": "crash", "source": {"dsn": conninfo, "slot": "crash", "publication": "load"},
-        "target": {"warehouse": warehouse}, "batching": {"max_seconds": 0.5, "max_changes": 20000}}))
+    config, warehouse, log = crash_config(tmp_path, conninfo, batching={"max_seconds": 0.5, "max_changes": 20000})
     rng = random.Random(7)
     with psycopg.connect(conninfo, autocommit=True) as conn:
         create_schema(conn, "load")
@@ -96,13 +115,7 @@ def test_kill_9_at_stage_boundaries_and_random_points(db18, spark, tmp_path) -> 
                 code = job.wait(timeout=300)
                 assert code == -signal.SIGKILL, f"failpoint {stage}: exit {code}\n{log.read_text()[-3000:]}"
                 _assert_confirmed_is_durable(spark, conn, load, warehouse)
-            for _ in range(RANDOM_KILLS):
-                job = Job(config, log)
-                assert job.streaming.wait(timeout=120), log.read_text()[-3000:]
-                time.sleep(rng.uniform(0, 12))
-                job.process.send_signal(signal.SIGKILL)
-                assert job.wait(timeout=60) == -signal.SIGKILL
-                _assert_confirmed_is_durable(spark, conn, load, warehouse)
+            kill_at_random_points(spark, conn, load, warehouse, lambda: Job(config, log), rng)
         finally:
             load.finish()
         job = Job(config, log)

@@ -21,7 +21,7 @@ from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgtypes import lookup
 from cdc_apply.sources.capture import write_jsonl, write_parquet
 from cdc_apply.sources.slot import PgOutputOptions, confirmed_flush, create_slot, read_changes
-from cdc_apply.stream_job import checkpoint_location, start_stream
+from cdc_apply.stream_job import checkpoint_location, offset_lsn, start_stream
 from tests.test_decode_cli import _cli
 from tests.test_live import assert_delta_equals_postgres
 
@@ -56,13 +56,13 @@ def test_a_streaming_query_keeps_delta_equal_to_postgres(db18, spark, tmp_path) 
             query.stop()
         assert load.committed > 50 and len(batches) >= 2
         # Each batch reports its LSN range; ranges follow each other without gaps or overlap.
-        ranges = [(p["sources"][0]["startOffset"], p["sources"][0]["endOffset"]) for p in batches]
-        assert all(end is not None and "lsn" in end for _, end in ranges)
-        assert all(later[0] == earlier[1] for earlier, later in zip(ranges, ranges[1:]) if later[0])
+        ranges = [(offset_lsn(p["sources"][0]["startOffset"]), offset_lsn(p["sources"][0]["endOffset"])) for p in batches]
+        assert all(end != "-" and parse_lsn(end) > 0 for _, end in ranges)
+        assert all(later[0] == earlier[1] for earlier, later in zip(ranges, ranges[1:]) if later[0] != "-")
         assert_delta_equals_postgres(spark, conn, warehouse)
         journal = _journal_count(spark, warehouse)
         # The slot never runs ahead of Delta, and a restart from the checkpoint re-applies nothing.
-        conn.execute("INSERT INTO journal (note) VALUES ('after restart')")
+        conn.execute("INSERT INTO journal (session, n, what) VALUES (99, 1, 'after restart')")
         query = start_stream(config, spark)
         try:
             query.processAllAvailable()
@@ -92,7 +92,7 @@ def test_a_batch_replayed_with_its_id_is_skipped(db18, spark, tmp_path) -> None:
         apply(frame, 1)  # a later batch: applied (the changes are idempotent upserts)
     finally:
         spark.sparkContext.setLocalProperty("sql.streaming.queryId", None)
-    first, again, later = apply.results  # type: ignore[attr-defined]
+    first, again, later = apply.summary.batches  # type: ignore[attr-defined]
     assert [t.skipped for t in first.tables] == [False] and [t.skipped for t in again.tables] == [True]
     assert [t.skipped for t in later.tables] == [False]
     rows = spark.read.format("delta").load(f"{warehouse}/public/t").orderBy("id").collect()

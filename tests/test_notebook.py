@@ -30,3 +30,7 @@ def test_replay_notebook_executes_and_writes_delta(tmp_path, monkeypatch, spark)
     assert any(o.get("data", {}).get("image/png") for cell in code for o in cell.get("outputs", []))
     customers = spark.read.format("delta").load(f"{tmp_path}/public/customers")
     assert sorted(r["id"] for r in customers.collect()) == [1, 3]  # the demo workload's final state
+    # Sections 6-7: the data source reads the capture, and a streaming query lands the same final table.
+    assert "batch 0:" in outputs
+    streamed = spark.read.format("delta").load(f"{tmp_path}/streamed/public/customers")
+    assert sorted(r["id"] for r in streamed.collect()) == [1, 3]

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from cdc_apply.apply.batch import BatchApplier, BatchResult
+from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.assemble import Change, Transaction
 from cdc_apply.config import Config, load_config
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import decode_message
+from cdc_apply.pipeline import RunSummary
 from cdc_apply.sources.catalog import SourceCatalog
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def foreach_batch(config: Config | str | Path) -> Callable[[DataFrame, int], Non
     """A ``foreachBatch`` function applying ``format("pgoutput")`` micro-batches per ``config``."""
     settings = config if isinstance(config, Config) else load_config(config)
     appliers: dict[int, BatchApplier] = {}
-    results: list[BatchResult] = []
+    summary = RunSummary()
 
     def apply_micro_batch(frame: DataFrame, batch_id: int) -> None:
         spark = frame.sparkSession
@@ -54,13 +55,13 @@ def foreach_batch(config: Config | str | Path) -> Callable[[DataFrame, int], Non
                                                          catalog=SourceCatalog(settings.source.conninfo()))
         transactions = transactions_from_rows(frame.select(*APPLY_COLUMNS).toArrow())
         result = applier.apply(transactions, stream_batch=(query_id, batch_id))
-        results.append(result)
+        summary.record(result, transactions)
         applied = [t for t in result.tables if not t.skipped]
         log.info("batch %d: %d transactions, %d changes to %d tables (%d already held it)%s", batch_id,
                  result.transactions, result.changes, len(applied), len(result.tables) - len(applied),
                  f", LSN {format_lsn(result.first_lsn)}..{format_lsn(result.last_lsn)}" if result.first_lsn else "")
 
-    apply_micro_batch.results = results  # type: ignore[attr-defined]
+    apply_micro_batch.summary = summary  # type: ignore[attr-defined]  # batches and commit->Delta lag
     return apply_micro_batch
 
 

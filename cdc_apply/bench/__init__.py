@@ -21,4 +21,9 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
 
         bench_e2e(seconds=args.seconds, rate=args.rate, sessions=args.sessions, parallel_tables=args.parallel_tables)
         return 0
+    if name == "stream":
+        from cdc_apply.bench.stream import bench_stream
+
+        bench_stream(seconds=args.seconds, rate=args.rate, sessions=args.sessions)
+        return 0
     raise ValueError(f"unknown benchmark {name}")

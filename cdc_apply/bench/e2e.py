@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import psycopg
 
@@ -22,9 +23,14 @@ from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgoutput.framing import XLogData
 from cdc_apply.pgserver import PgServer
 from cdc_apply.sources.preflight import protocol_options
-from cdc_apply.sources.slot import create_slot, server_version_num
-from cdc_apply.sources.slot import wait_until_caught_up
+from cdc_apply.sources.slot import create_slot, server_version_num, wait_until_caught_up
 from cdc_apply.sources.stream import WalSenderStream
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from cdc_apply.pipeline import RunSummary
+
 
 def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> tuple[int, float]:
     """DML messages the walsender sends for the slot up to ``upto``, and the seconds it takes."""
@@ -44,49 +50,69 @@ def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> tuple[i
     return changes, seconds
 
 
+def steady_follow(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float,
+                  sessions: int) -> tuple[float, RunSummary]:
+    """``run --follow`` under a steady load: (changes/s applied, its run summary with the lag)."""
+    pipeline = BackgroundReplicator(config, spark).start()
+    pipeline.wait_for_snapshots()  # the slot and the (empty) targets exist
+    load = Load(server.dsn, sessions=sessions, rate_per_session=rate, big_every=0).start()
+    started = time.perf_counter()
+    time.sleep(seconds)
+    load.finish()
+    wait_until_caught_up(server.dsn, config.source.slot, timeout=600)
+    elapsed = time.perf_counter() - started
+    pipeline.finish()
+    summary = pipeline.replicator.summary
+    return sum(b.changes for b in summary.batches) / elapsed, summary
+
+
+def backlog(server: PgServer, seconds: float, sessions: int) -> int:
+    """An unthrottled load for ``seconds`` with every pipeline stopped; the WAL position it ends at."""
+    load = Load(server.dsn, sessions=sessions, rate_per_session=None, big_every=0, seed=2).start()
+    time.sleep(seconds)
+    load.finish()
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        return parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+
+
+def catchup_follow(server: PgServer, config: Config, spark: SparkSession) -> tuple[int, float]:
+    """``run --follow`` over the slot's backlog: (changes applied, seconds until caught up)."""
+    pipeline = BackgroundReplicator(config, spark).start()
+    started = time.perf_counter()
+    wait_until_caught_up(server.dsn, config.source.slot, timeout=1800)
+    seconds = time.perf_counter() - started
+    pipeline.finish()
+    return sum(b.changes for b in pipeline.replicator.summary.batches), seconds
+
+
+def bench_config(server: PgServer, warehouse: str, slot: str, parallel_tables: int = 4) -> Config:
+    return parse_config({"pipeline": slot, "source": {"dsn": server.dsn, "slot": slot, "publication": "bench"},
+                         "target": {"warehouse": warehouse},
+                         "batching": {"max_seconds": 1.0, "max_changes": 200_000, "parallel_tables": parallel_tables},
+                         "stream": {"interval_seconds": 1.0}})
+
+
 def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
               parallel_tables: int = 4) -> dict[str, float]:
     warehouse = tempfile.mkdtemp(prefix="cdc_apply_bench_e2e_")
     with PgServer() as server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             create_schema(conn, "bench")
-        config = parse_config({"pipeline": "bench", "source": {"dsn": server.dsn, "slot": "bench", "publication": "bench"},
-                               "target": {"warehouse": warehouse},
-                               "batching": {"max_seconds": 1.0, "max_changes": 200_000,
-                                            "parallel_tables": parallel_tables}})
+        config = bench_config(server, warehouse, "bench", parallel_tables)
         spark = build_spark_session(config.spark)
 
         print(f"1/2 steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming ...", flush=True)
-        pipeline = BackgroundReplicator(config, spark).start()
-        pipeline.wait_for_snapshots()  # the slot and the (empty) targets exist
-        load = Load(server.dsn, sessions=sessions, rate_per_session=rate, big_every=0).start()
-        started = time.perf_counter()
-        time.sleep(seconds)
-        load.finish()
-        wait_until_caught_up(server.dsn, "bench", timeout=600)
-        steady_seconds = time.perf_counter() - started
-        pipeline.finish()
-        steady = pipeline.replicator.summary
-        steady_changes = sum(b.changes for b in steady.batches)
+        steady_rate, steady = steady_follow(server, config, spark, seconds, rate, sessions)
 
         print(f"2/2 backlog: unthrottled load for {seconds:g} s with the pipeline stopped ...", flush=True)
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             create_slot(conn, "delivery")
-        load = Load(server.dsn, sessions=sessions, rate_per_session=None, big_every=0, seed=2).start()
-        time.sleep(seconds)
-        load.finish()
-        with psycopg.connect(server.dsn, autocommit=True) as conn:
-            upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+        upto = backlog(server, seconds, sessions)
         delivered, delivery_seconds = _delivery(server, config, "delivery", upto)
-        pipeline = BackgroundReplicator(config, spark).start()
-        started = time.perf_counter()
-        wait_until_caught_up(server.dsn, "bench", timeout=1800)
-        catchup_seconds = time.perf_counter() - started
-        pipeline.finish()
-        catchup_changes = sum(b.changes for b in pipeline.replicator.summary.batches)
+        catchup_changes, catchup_seconds = catchup_follow(server, config, spark)
         spark.stop()
     result = {
-        "steady_changes_per_s": steady_changes / steady_seconds,
+        "steady_changes_per_s": steady_rate,
         "lag_p50_s": steady.lag_percentile(0.5) or 0.0,
         "lag_p99_s": steady.lag_percentile(0.99) or 0.0,
         "delivery_changes_per_s": delivered / delivery_seconds,
