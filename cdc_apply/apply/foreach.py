@@ -42,17 +42,16 @@ APPLY_COLUMNS = ("commit_lsn", "end_lsn", "commit_ts", "xid", "origin", "seq", "
 def foreach_batch(config: Config | str | Path) -> Callable[[DataFrame, int], None]:
     """A ``foreachBatch`` function applying ``format("pgoutput")`` micro-batches per ``config``."""
     settings = config if isinstance(config, Config) else load_config(config)
-    appliers: dict[int, BatchApplier] = {}
+    appliers: list[BatchApplier] = []  # one for the function's life: it keeps its table thread pool
     summary = RunSummary()
 
     def apply_micro_batch(frame: DataFrame, batch_id: int) -> None:
         spark = frame.sparkSession
         query_id = streaming_query_id(spark)
-        applier = appliers.get(id(spark))
-        if applier is None:
-            appliers.clear()
-            applier = appliers[id(spark)] = BatchApplier(spark, settings.apply_options(),
-                                                         catalog=SourceCatalog(settings.source.conninfo()))
+        if not appliers:
+            appliers.append(BatchApplier(spark, settings.apply_options(),
+                                         catalog=SourceCatalog(settings.source.conninfo())))
+        applier = appliers[0]
         transactions = transactions_from_rows(frame.select(*APPLY_COLUMNS).toArrow())
         result = applier.apply(transactions, stream_batch=(query_id, batch_id))
         summary.record(result, transactions)

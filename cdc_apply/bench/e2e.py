@@ -51,11 +51,11 @@ def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> tuple[i
 
 
 def steady_follow(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float,
-                  sessions: int) -> tuple[float, RunSummary]:
+                  sessions: int, seed: int = 1) -> tuple[float, RunSummary]:
     """``run --follow`` under a steady load: (changes/s applied, its run summary with the lag)."""
     pipeline = BackgroundReplicator(config, spark).start()
     pipeline.wait_for_snapshots()  # the slot and the (empty) targets exist
-    load = Load(server.dsn, sessions=sessions, rate_per_session=rate, big_every=0).start()
+    load = Load(server.dsn, sessions=sessions, rate_per_session=rate, big_every=0, seed=seed).start()
     started = time.perf_counter()
     time.sleep(seconds)
     load.finish()

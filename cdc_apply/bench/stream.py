@@ -30,10 +30,11 @@ if TYPE_CHECKING:
 
 
 def steady_stream(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float,
-                  sessions: int) -> tuple[float, RunSummary]:
+                  sessions: int, seed: int = 3) -> tuple[float, RunSummary]:
+    """The streaming query under a steady load (its own seed: the rows differ from the follow phase's)."""
     query, apply = start_stream(config, spark, with_function=True)
     try:
-        load = Load(server.dsn, sessions=sessions, rate_per_session=rate, big_every=0).start()
+        load = Load(server.dsn, sessions=sessions, rate_per_session=rate, big_every=0, seed=seed).start()
         started = time.perf_counter()
         time.sleep(seconds)
         load.finish()
