@@ -123,6 +123,10 @@ class Target:
     def committed_version(self, app_id: str) -> int | None:
         """The last ``txnVersion`` committed under ``app_id`` (Delta's SetTransaction), or None."""
         jvm = self.spark._jvm  # type: ignore[attr-defined]
+        # Delta rebuilds the snapshot with the JVM thread's active session. A py4j thread of ours
+        # (a parallel table, a foreachBatch callback) may have none: set it, or the read fails with
+        # DELTA_SPARK_SESSION_NOT_SET.
+        jvm.org.apache.spark.sql.SparkSession.setActiveSession(self.spark._jsparkSession)  # type: ignore[attr-defined]
         delta_log = jvm.org.apache.spark.sql.delta.DeltaLog
         if self.by_name:
             table = jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply(self.location)
