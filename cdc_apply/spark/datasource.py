@@ -37,7 +37,8 @@ from cdc_apply.sources.preflight import check_source, ensure_publication_and_slo
 from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import PgOutputOptions, advance_slot, confirmed_flush, read_changes, server_version_num
 from cdc_apply.spark.options import ReaderOptions, reader_options
-from cdc_apply.spark.rows import SPARK_DDL, record_batches
+from cdc_apply.spark.rows import SPARK_DDL, record_batches, typed_schema
+from cdc_apply.spark.typed import TableImages, images_from_catalog, images_from_relations
 
 
 IDLE_ADVANCE_BYTES = 16 * 1024 * 1024  # one WAL segment
@@ -51,16 +52,32 @@ class PgOutputDataSource(DataSource):
         return "pgoutput"
 
     def schema(self) -> str:
-        return SPARK_DDL
+        images = table_images(reader_options(self.options))
+        return SPARK_DDL if images is None else typed_schema(images)[1]
 
     def reader(self, schema: object) -> DataSourceReader:
-        return PgOutputBatchReader(reader_options(self.options))
+        options = reader_options(self.options)
+        return PgOutputBatchReader(options, table_images(options))
 
     def streamReader(self, schema: object) -> DataSourceStreamReader:
         options = reader_options(self.options)
         if options.paths:
             raise CdcApplyError("pgoutput option path: a streaming read follows a slot, not capture files")
-        return PgOutputStreamReader(options)
+        return PgOutputStreamReader(options, table_images(options))
+
+
+def table_images(options: ReaderOptions) -> TableImages | None:
+    """The read schema of the ``table`` option's images: from the files, or the catalog now.
+
+    Spark asks for the schema and builds the reader in different processes, so each reads it."""
+    if options.table is None:
+        return None
+    if options.paths:
+        _, assembler = _assembled(list(read_captures(options.paths)), options)
+        return images_from_relations(assembler.relations.values(), assembler.types.values(), options.table,
+                                     ", ".join(options.paths))
+    with psycopg.connect(options.source.conninfo(), autocommit=True) as conn:
+        return images_from_catalog(conn, options.source.publication, options.table)
 
 
 @dataclass
@@ -91,8 +108,9 @@ def _assembled(raws: list[RawMessage], options: ReaderOptions) -> tuple[list[Tra
 
 
 class PgOutputBatchReader(DataSourceReader):
-    def __init__(self, options: ReaderOptions) -> None:
+    def __init__(self, options: ReaderOptions, images: TableImages | None) -> None:
         self.options = options
+        self.images = images
 
     def partitions(self) -> Sequence[InputPartition]:
         # The files of one capture are one stream: Relation messages in one apply to the next.
@@ -106,13 +124,13 @@ class PgOutputBatchReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if isinstance(partition, CaptureFiles):
             transactions, _ = _assembled(list(read_captures(partition.paths)), self.options)
-            yield from record_batches(transactions)
+            yield from record_batches(transactions, images=self.images)
             return
         assert isinstance(partition, SlotRange)
-        yield from _read_range(self.options, partition)
+        yield from _read_range(self.options, partition, self.images)
 
 
-def _read_range(options: ReaderOptions, part: SlotRange) -> Iterator[pa.RecordBatch]:
+def _read_range(options: ReaderOptions, part: SlotRange, images: TableImages | None) -> Iterator[pa.RecordBatch]:
     if part.datas is None:
         with psycopg.connect(options.source.conninfo(), autocommit=True) as conn:
             confirmed = confirmed_flush(conn, options.source.slot)
@@ -126,12 +144,13 @@ def _read_range(options: ReaderOptions, part: SlotRange) -> Iterator[pa.RecordBa
         raws = [RawMessage(lsn, None, data, f"slot {options.source.slot}")
                 for lsn, data in zip(part.lsns or [], part.datas, strict=True)]
     transactions, _ = _assembled(raws, options)
-    yield from record_batches(t for t in transactions if part.start < t.end_lsn <= part.end)
+    yield from record_batches((t for t in transactions if part.start < t.end_lsn <= part.end), images=images)
 
 
 class PgOutputStreamReader(DataSourceStreamReader):
-    def __init__(self, options: ReaderOptions) -> None:
+    def __init__(self, options: ReaderOptions, images: TableImages | None) -> None:
         self.options = options
+        self.images = images
         self._prefetched: SlotRange | None = None
         self._confirm: dict[int, int] = {}  # end offset -> the LSN the slot may be confirmed to
 
@@ -184,7 +203,7 @@ class PgOutputStreamReader(DataSourceStreamReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, SlotRange)
-        yield from _read_range(self.options, partition)
+        yield from _read_range(self.options, partition, self.images)
 
     def commit(self, end: dict) -> None:
         finish = parse_lsn(end["lsn"])

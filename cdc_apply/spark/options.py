@@ -2,7 +2,8 @@
 
 The option names are the YAML config's ``source`` keys (``dsn``, ``host``, ``slot``,
 ``publication``, ``proto_version``, ...), checked by the same model with the same messages,
-plus the reader's own: ``path``/``paths`` (capture files) and ``maxChangesPerTrigger``.
+plus the reader's own: ``path``/``paths`` (capture files), ``table`` (typed images of one table),
+``maxChangesPerTrigger`` and ``spill_bytes``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cdc_apply.config import ConfigError, SourceConfig, parse_config
+from cdc_apply.spark.typed import parse_table_name
 
-READER_OPTIONS = ("path", "paths", "maxchangespertrigger", "spill_bytes")
+READER_OPTIONS = ("path", "paths", "table", "maxchangespertrigger", "spill_bytes")
 LIST_KEYS = ("publication_tables", "skip_origins")
 
 
@@ -21,6 +23,7 @@ LIST_KEYS = ("publication_tables", "skip_origins")
 class ReaderOptions:
     source: SourceConfig
     paths: tuple[str, ...]
+    table: tuple[str, str] | None  # (schema, name): typed images of that table only
     max_changes_per_trigger: int | None
     spill_bytes: int
 
@@ -54,7 +57,8 @@ def reader_options(options: dict[str, str]) -> ReaderOptions:
         name = fields.get(key, key)
         source_keys[name] = [v.strip() for v in value.split(",") if v.strip()] if name in LIST_KEYS else value
     source = parse_config({"source": source_keys}, "pgoutput option").source
-    if source.binary:
-        raise ConfigError("pgoutput option binary: must be false: the data source's images are PostgreSQL text")
-    return ReaderOptions(source, tuple(paths), _int_option("maxChangesPerTrigger", lowered.get("maxchangespertrigger")),
+    table = parse_table_name(lowered["table"]) if "table" in lowered else None
+    if source.binary and table is None:
+        raise ConfigError("pgoutput option binary: needs the table option: without it the images are PostgreSQL text")
+    return ReaderOptions(source, tuple(paths), table, _int_option("maxChangesPerTrigger", lowered.get("maxchangespertrigger")),
                          _int_option("spill_bytes", lowered.get("spill_bytes")) or 64 * 1024 * 1024)

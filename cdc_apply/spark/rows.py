@@ -1,11 +1,12 @@
-"""Change rows as the ``pgoutput`` Spark data source hands them over: one schema for every table.
+"""Change rows as the ``pgoutput`` Spark data source hands them over.
 
-A Spark source has one schema, but each table's images have their own columns, so here the
-images are maps of column name -> the value as PostgreSQL prints it (text mode). Two more
+A Spark source has one schema, but each table's images have their own columns, so by default
+the images are maps of column name -> the value as PostgreSQL prints it (text mode). With the
+``table`` option the source reads one table and its images are typed structs (``typed.py``). Two more
 columns carry what the apply needs to type them exactly as ``cdc-apply run`` does:
 ``_cdc_relation`` (the Relation message in force) and ``_cdc_change`` (the change's message).
 
-Invariant: the map values are the bytes PostgreSQL sent, unchanged; SQL NULL is a null value and
+Invariant: the text map values are the bytes PostgreSQL sent, unchanged; SQL NULL is a null value and
 an unchanged TOAST column is absent from ``new`` and named in ``unchanged``.
 """
 
@@ -17,59 +18,93 @@ import numpy as np
 import pyarrow as pa
 
 from cdc_apply.assemble import Transaction
-from cdc_apply.change_columns import Image, ParsedSegment, parse_segment
+from cdc_apply.change_columns import Image, ParsedSegment, change_table, parse_segment
 from cdc_apply.changes import ChangeRowBuilder, TableChanges
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.columnar import gather_values
 from cdc_apply.pgoutput.encode import encode_relation
+from cdc_apply.spark.typed import TableImages
 
 IMAGE = pa.map_(pa.string(), pa.string())
-# Exactly what Spark expects of SPARK_DDL (every field nullable, list items named "element").
-SOURCE_SCHEMA = pa.schema([
-    pa.field("commit_lsn", pa.int64()),
-    pa.field("commit_ts", pa.timestamp("us", tz="UTC")),
-    pa.field("xid", pa.int64()),
-    pa.field("seq", pa.int32()),
-    pa.field("origin", pa.string()),
-    pa.field("relation_oid", pa.int64()),
-    pa.field("schema", pa.string()),
-    pa.field("table", pa.string()),
-    pa.field("op", pa.string()),
-    pa.field("key", IMAGE),
-    pa.field("old", IMAGE),
-    pa.field("new", IMAGE),
-    pa.field("unchanged", pa.list_(pa.field("element", pa.string()))),
-    pa.field("truncate_options", pa.int8()),
-    pa.field("end_lsn", pa.int64()),
-    pa.field("_cdc_relation", pa.binary()),
-    pa.field("_cdc_change", pa.binary()),
-])
-SPARK_DDL = ("commit_lsn bigint, commit_ts timestamp, xid bigint, seq int, origin string, relation_oid bigint, "
-             "schema string, table string, op string, key map<string,string>, old map<string,string>, "
-             "new map<string,string>, unchanged array<string>, truncate_options tinyint, end_lsn bigint, "
-             "_cdc_relation binary, _cdc_change binary")
+TEXT_IMAGE_DDL = "map<string,string>"
 
 
-def record_batches(transactions: Iterable[Transaction], builder: ChangeRowBuilder | None = None) -> Iterator[pa.RecordBatch]:
-    """One record batch per table segment, in stream order within each table."""
+def source_schema(key: pa.DataType, image: pa.DataType) -> pa.Schema:
+    """Exactly what Spark expects of ``source_ddl`` (every field nullable, list items named "element")."""
+    return pa.schema([
+        pa.field("commit_lsn", pa.int64()),
+        pa.field("commit_ts", pa.timestamp("us", tz="UTC")),
+        pa.field("xid", pa.int64()),
+        pa.field("seq", pa.int32()),
+        pa.field("origin", pa.string()),
+        pa.field("relation_oid", pa.int64()),
+        pa.field("schema", pa.string()),
+        pa.field("table", pa.string()),
+        pa.field("op", pa.string()),
+        pa.field("key", key),
+        pa.field("old", image),
+        pa.field("new", image),
+        pa.field("unchanged", pa.list_(pa.field("element", pa.string()))),
+        pa.field("truncate_options", pa.int8()),
+        pa.field("end_lsn", pa.int64()),
+        pa.field("_cdc_relation", pa.binary()),
+        pa.field("_cdc_change", pa.binary()),
+    ])
+
+
+def source_ddl(key: str, image: str) -> str:
+    return ("commit_lsn bigint, commit_ts timestamp, xid bigint, seq int, origin string, relation_oid bigint, "
+            f"schema string, table string, op string, key {key}, old {image}, new {image}, unchanged array<string>, "
+            "truncate_options tinyint, end_lsn bigint, _cdc_relation binary, _cdc_change binary")
+
+
+SOURCE_SCHEMA = source_schema(IMAGE, IMAGE)
+SPARK_DDL = source_ddl(TEXT_IMAGE_DDL, TEXT_IMAGE_DDL)
+
+
+def typed_schema(images: TableImages) -> tuple[pa.Schema, str]:
+    """The Arrow schema and Spark DDL of one table's change rows with typed images."""
+    return (source_schema(images.arrow_type("key"), images.arrow_type("new")),
+            source_ddl(images.spark_ddl("key"), images.spark_ddl("new")))
+
+
+def record_batches(transactions: Iterable[Transaction], builder: ChangeRowBuilder | None = None,
+                   images: TableImages | None = None) -> Iterator[pa.RecordBatch]:
+    """One record batch per table segment, in stream order within each table; with ``images``,
+    only that table's segments, its images typed."""
     for segment in (builder or ChangeRowBuilder()).build(transactions):
-        yield segment_batch(segment)
+        if images is None:
+            yield segment_batch(segment)
+        elif images.holds(segment.relation):
+            yield typed_segment_batch(segment, images)
 
 
 def segment_batch(segment: TableChanges) -> pa.RecordBatch:
     parsed = parse_segment(segment)
     codec = segment.codec
     every_column = list(range(len(codec.columns)))
-    count = len(segment.changes)
     columns = dict(parsed.common)
     columns["key"] = _text_map(parsed, parsed.key or parsed.new, codec.key_indexes)
     columns["old"] = _text_map(parsed, parsed.old, every_column)
     columns["new"] = _text_map(parsed, parsed.new, every_column)
+    return _record_batch(columns, segment, SOURCE_SCHEMA)
+
+
+def typed_segment_batch(segment: TableChanges, images: TableImages) -> pa.RecordBatch:
+    table = change_table(segment)
+    columns = {name: table[name].combine_chunks() for name in table.column_names}
+    columns.update(images.conform(columns, segment))
+    return _record_batch(columns, segment, typed_schema(images)[0])
+
+
+def _record_batch(columns: dict[str, pa.Array], segment: TableChanges, schema: pa.Schema) -> pa.RecordBatch:
+    """``columns`` plus what the apply needs to type the images again (``foreach_batch``)."""
+    count = len(segment.changes)
     columns["end_lsn"] = pa.array([t.end_lsn for t in segment.transactions], pa.int64())
     columns["_cdc_relation"] = pa.array([encode_relation(segment.relation)]).take(np.zeros(count, np.int32))
     columns["_cdc_change"] = pa.array([_plain_wire(c.wire, c.in_stream) for c in segment.changes], pa.binary())
-    return pa.RecordBatch.from_arrays([columns[f.name].cast(f.type) for f in SOURCE_SCHEMA], schema=SOURCE_SCHEMA)
+    return pa.RecordBatch.from_arrays([columns[f.name].cast(f.type) for f in schema], schema=schema)
 
 
 def _plain_wire(wire: bytes | None, in_stream: bool) -> bytes | None:
