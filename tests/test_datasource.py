@@ -174,6 +174,7 @@ def test_typed_reads_of_one_table(db18, spark, tmp_path) -> None:  # type: ignor
         conn.execute("CREATE TABLE other (k int PRIMARY KEY)")
         conn.execute("CREATE PUBLICATION p FOR TABLE t, other")
         create_slot(conn, "typed")
+        create_slot(conn, "typed_stream")
         big = "".join(f"{n:08x}" for n in range(2000))  # stored out of line: compresses poorly
         conn.execute("INSERT INTO t VALUES (1, 'a', '2024-01-02', 1.5, '{1,2}', '2024-05-06 07:08:09.123456+02', "
                      "%s), (2, NULL, NULL, -3, NULL, NULL, NULL)", (big,))
@@ -185,8 +186,8 @@ def test_typed_reads_of_one_table(db18, spark, tmp_path) -> None:  # type: ignor
         raws = list(read_changes(conn, "typed", PgOutputOptions(("p",))))
         before = confirmed_flush(conn, "typed")
 
-        def read(**options: str):  # type: ignore[no-untyped-def]
-            reader = spark.read.format("pgoutput").option("table", "t")
+        def read(reader=spark.read, **options: str):  # type: ignore[no-untyped-def]
+            reader = reader.format("pgoutput").option("table", "t")
             for key, value in {"dsn": conninfo, "slot": "typed", "publication": "p", **options}.items():
                 reader = reader.option(key, value)
             return reader.load()
@@ -212,6 +213,11 @@ def test_typed_reads_of_one_table(db18, spark, tmp_path) -> None:  # type: ignor
         assert sorted(from_file, key=lambda r: (r.commit_lsn, r.seq)) == rows
         binary = sorted(read(binary="true").collect(), key=lambda r: (r.commit_lsn, r.seq))
         assert [r[:-1] for r in binary] == [r[:-1] for r in rows]  # all but _cdc_change, the message itself
+        # A streaming read gives the same rows.
+        query = (read(spark.readStream, slot="typed_stream").writeStream.format("memory").queryName("typed_t")
+                 .trigger(availableNow=True).start())
+        query.awaitTermination()
+        assert sorted(spark.table("typed_t").collect(), key=lambda r: (r.commit_lsn, r.seq)) == rows
         # foreach_batch applies a typed frame as it does a text one: Delta equals PostgreSQL.
         warehouse = str(tmp_path / "wh")
         apply = foreach_batch(_stream_config(conninfo, warehouse))

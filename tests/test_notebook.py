@@ -32,5 +32,6 @@ def test_replay_notebook_executes_and_writes_delta(tmp_path, monkeypatch, spark)
     assert sorted(r["id"] for r in customers.collect()) == [1, 3]  # the demo workload's final state
     # Sections 6-7: the data source reads the capture, and a streaming query lands the same final table.
     assert "batch 0:" in outputs
+    assert "struct<id:int," in outputs  # the typed read of one table (option "table")
     streamed = spark.read.format("delta").load(f"{tmp_path}/streamed/public/customers")
     assert sorted(r["id"] for r in streamed.collect()) == [1, 3]

@@ -60,8 +60,6 @@ def bench_stream(seconds: float = 20.0, rate: float = 40.0, sessions: int = 2) -
     with PgServer() as server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             create_schema(conn, "bench")
-            for slot in ("follow", "stream"):
-                create_slot(conn, slot)
         follow = bench_config(server, f"{root}/follow", "follow")
         stream = bench_config(server, f"{root}/stream", "stream")
         spark = build_spark_session(follow.spark)
@@ -70,6 +68,8 @@ def bench_stream(seconds: float = 20.0, rate: float = 40.0, sessions: int = 2) -
               "through run --follow, then through the streaming query ...", flush=True)
         for name, steady in (("follow", steady_follow), ("stream", steady_stream)):
             config = follow if name == "follow" else stream
+            with psycopg.connect(server.dsn, autocommit=True) as conn:
+                create_slot(conn, name)  # now: a slot made earlier would hold the other phase's load too
             changes_per_s, summary = steady(server, config, spark, seconds, rate, sessions)
             result[f"{name}_steady_changes_per_s"] = changes_per_s
             result[f"{name}_lag_p50_s"] = summary.lag_percentile(0.5) or 0.0
