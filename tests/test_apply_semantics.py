@@ -6,11 +6,13 @@ from __future__ import annotations
 import psycopg
 import pytest
 
+from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import ApplyOptions, TableOptions
+from cdc_apply.assemble import Assembler
 from cdc_apply.apply.schema import SchemaPolicyError
 from cdc_apply.replay import replay
-from cdc_apply.sources.capture import write_jsonl
-from cdc_apply.sources.slot import PgOutputOptions
+from cdc_apply.sources.capture import read_captures, write_jsonl
+from cdc_apply.sources.slot import PgOutputOptions, create_slot
 from tests.apply_workloads import LEAF_TABLES, ROOT_TABLES, run_apply_workload
 from tests.capture_helpers import peek
 from tests.conftest import fresh_database
@@ -128,3 +130,53 @@ def test_scd2_history_keeps_every_version_and_one_current_row(workload, spark, t
     default = spark.read.format("delta").load(f"{warehouse}/public/ident_default")
     assert default.where("id = 2 AND NOT _cdc_current").count() >= 1  # ended by the truncate
     assert default.where("_cdc_valid_to < _cdc_valid_from").count() == 0
+
+
+def _operations(spark, path: str) -> list[str]:  # type: ignore[no-untyped-def]
+    history = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").orderBy("version").collect()
+    return [h.operation for h in history]
+
+
+def test_batches_of_new_rows_are_appended_and_others_merged(db18, spark, tmp_path):  # type: ignore[no-untyped-def]
+    """A batch whose every key first arrives as an insert is a plain append (no MERGE); a key that
+    may exist (re-inserted, updated, deleted), a second writer, or soft deletes keep the MERGE."""
+    server, dbname = db18
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute("CREATE TABLE n (id int PRIMARY KEY, v text); CREATE PUBLICATION pn FOR TABLE n")
+        create_slot(conn, "sn")
+        conn.execute("INSERT INTO n SELECT g, 'a' FROM generate_series(1, 10) g")  # new rows
+        with conn.transaction():  # new rows only, though updated, re-keyed and deleted on the way
+            conn.execute("INSERT INTO n VALUES (11, 'x'), (13, 'y')")
+            conn.execute("UPDATE n SET v = 'x2' WHERE id = 11")
+            conn.execute("UPDATE n SET id = 12 WHERE id = 11")
+            conn.execute("DELETE FROM n WHERE id = 13")
+        with conn.transaction():  # a key deleted and inserted again: it existed
+            conn.execute("DELETE FROM n WHERE id = 1")
+            conn.execute("INSERT INTO n VALUES (1, 'again')")
+        conn.execute("INSERT INTO n VALUES (20, 'b')")  # new rows again
+        truth = postgres_rows(conn, "public.n", ["id", "v"])
+        types = source_types(conn, "public.n")
+    capture = tmp_path / "n.jsonl"
+    write_jsonl(capture, peek(server, dbname, "sn", PgOutputOptions(("pn",))))
+    warehouse = str(tmp_path / "wh")
+    path = f"{warehouse}/public/n"
+    replay(spark, [str(capture)], ApplyOptions(warehouse=warehouse), max_changes=1)
+    assert _operations(spark, path)[-4:] == ["WRITE", "WRITE", "MERGE", "WRITE"]
+    assert delta_rows(spark, path, ["id", "v"], types) == truth
+    # Another pipeline name is another writer: it replays everything, by MERGE, without duplicates.
+    replay(spark, [str(capture)], ApplyOptions(warehouse=warehouse, pipeline="other"), max_changes=1)
+    assert _operations(spark, path)[-4:] == ["MERGE"] * 4
+    assert delta_rows(spark, path, ["id", "v"], types) == truth
+    # Soft deletes: a deleted key stays in the target, so only MERGE; snapshot-style appends mark rows live.
+    soft = str(tmp_path / "soft")
+    options = ApplyOptions(warehouse=soft, defaults=TableOptions(delete_mode="soft"))
+    applier = BatchApplier(spark, options)
+    assembler = Assembler()
+    transactions = list(assembler.transactions(read_captures([str(capture)])))
+    applier.apply(transactions[:1], snapshot=True)
+    for transaction in transactions[1:]:
+        applier.apply([transaction])
+    assert _operations(spark, f"{soft}/public/n")[-3:] == ["MERGE"] * 3
+    live = delta_rows(spark, f"{soft}/public/n", ["id", "v"], types, where="NOT _cdc_deleted")
+    assert live == truth
+    assert spark.read.format("delta").load(f"{soft}/public/n").where("_cdc_deleted IS NULL").count() == 0

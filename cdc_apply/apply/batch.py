@@ -186,7 +186,11 @@ class BatchApplier:
         app_id = self.app_id(oid, versioning.app_prefix)
         version = versioning.version
         exists = target.exists()  # also when the registry was lost: the table holds its own state
-        done = target.committed_version(app_id) if exists and not snapshot else None
+        writers = target.committed_versions() if exists and not snapshot else {}
+        done = writers.get(app_id)
+        # The target equals the source as of ``done`` when this pipeline alone has written it (or
+        # creates it now): then a key whose first change in the batch is an insert is not in it.
+        appendable = not snapshot and (not exists or set(writers) == {app_id})
         if done is not None and done >= version:
             result.skipped = True
             return result
@@ -216,6 +220,7 @@ class BatchApplier:
                     collapser = Collapser(qualified, state.keys)
             column_map = state.column_map()
             identity = all(source == target_name for source, target_name in column_map.items())
+            appendable = appendable and _unique_key(segment.relation, column_map, state.keys, options)
             for row in rows:
                 collapser.add(row, None if identity else column_map)
         if collapser is None or state is None:
@@ -240,8 +245,9 @@ class BatchApplier:
             merge_history(target, collapser, data_types, state.keys, None if snapshot else app_id, version,
                           json.dumps(metadata, sort_keys=True))
         else:
+            append = snapshot or (appendable and collapsed.new_rows_only)
             merge_collapsed(target, collapsed, data_types, state.keys, options, None if snapshot else app_id,
-                            version, json.dumps(metadata, sort_keys=True), append=snapshot)
+                            version, json.dumps(metadata, sort_keys=True), append=append)
         result.ops = collapsed.op_counts
         result.keys_written = len(collapsed.states)
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn
@@ -329,3 +335,10 @@ class BatchApplier:
         result.schema_changes += [describe(e) for e in events]
         return new_state, renamed
 
+
+def _unique_key(relation: m.Relation, column_map: dict[str, str | None], keys: tuple[str, ...],
+                options: TableOptions) -> bool:
+    """The target's keys are the source's primary key or replica identity index (so unique), and a
+    delete removes the row (soft deletes keep keys that PostgreSQL may insert again)."""
+    return (relation.replica_identity in ("d", "i") and not options.keys and options.delete_mode != "soft"
+            and bool(keys) and tuple(column_map.get(k, k) for k in relation.key_columns) == keys)

@@ -8,6 +8,9 @@ Invariants (DESIGN.md "Semantics that must hold"):
   else it is marked ``from_target`` and MERGE keeps the target's value (of ``source_key`` when the
   row's key changed in this batch).
 - A truncate forgets every earlier state; changes after it still apply.
+- ``new_row`` holds when the key's first change in the batch is an insert, so the key is absent
+  from the source, and therefore from the target, at the batch's start (a unique key and a target
+  equal to the source then, which ``BatchApplier`` checks before it appends such a batch).
 
 Images arrive keyed by source column names; ``column_map`` renames them to target columns
 (None drops a column), so rows decoded under different Relation versions collapse together.
@@ -36,6 +39,7 @@ class KeyState:
     commit_ts: int  # microseconds since 1970, UTC
     from_target: tuple[str, ...] = ()  # columns whose value stays the target row's
     source_key: Key | None = None  # the target row that supplies from_target, when not this key
+    new_row: bool = False  # the key's first change in this batch is an insert
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,11 @@ class Collapsed:
     op_counts: Counter[str] = field(default_factory=Counter)
     first_lsn: int | None = None
     last_lsn: int | None = None
+
+    @property
+    def new_rows_only(self) -> bool:
+        """Every key is absent from the target at the batch's start: an append writes the batch."""
+        return self.truncate is None and all(state.new_row for state in self.states.values())
 
     def needs_target_rows(self) -> dict[Key, list[Key]]:
         """source key -> the keys whose unchanged TOAST values come from that other target row."""
@@ -87,10 +96,12 @@ class Collapser:
         if op == "I":
             # Without a key (REPLICA IDENTITY NOTHING) every insert is its own row.
             key = self._key(new, row, "new") if self._key_columns else (next(self._row_numbers),)
-            self._set(key, KeyState(False, new, lsn, ts))
+            earlier = self.result.states.get(key)
+            self._set(key, KeyState(False, new, lsn, ts, new_row=earlier is None or earlier.new_row))
         elif op == "D":
             key = self._key(identity, row, "old")
-            self._set(key, KeyState(True, self._key_image(key), lsn, ts))
+            earlier = self.result.states.get(key)
+            self._set(key, KeyState(True, self._key_image(key), lsn, ts, new_row=earlier is not None and earlier.new_row))
         else:
             self._update(row, new, full_old, identity, column_map)
 
@@ -105,7 +116,8 @@ class Collapser:
         key_changed = old_key != new_key
         previous = states.pop(old_key, None) if key_changed else states.get(new_key)
         if key_changed:
-            self._set(old_key, KeyState(True, self._key_image(old_key), lsn, ts))
+            self._set(old_key, KeyState(True, self._key_image(old_key), lsn, ts,
+                                        new_row=previous is not None and previous.new_row))
         if previous is not None and not previous.deleted:
             for name, value in previous.values.items():
                 new.setdefault(name, value)  # target columns the current source no longer has
@@ -131,7 +143,9 @@ class Collapser:
                     "in this batch and the target was truncated or deleted it")
             if source_key == new_key:
                 source_key = None
-        self._set(new_key, KeyState(False, new, lsn, ts, from_target, source_key))
+        # A key changed to one the batch has not seen is absent at the start too (PostgreSQL's key is unique).
+        new_row = previous is not None and previous.new_row and (not key_changed or new_key not in states)
+        self._set(new_key, KeyState(False, new, lsn, ts, from_target, source_key, new_row))
 
     def _set(self, key: Key, state: KeyState) -> None:
         self.result.states[key] = state

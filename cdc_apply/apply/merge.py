@@ -122,21 +122,26 @@ def _cast(name: str, value: Any, kind: pa.DataType, spark_type: str) -> Any:
 def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str],
                     options: TableOptions, app_id: str | None, version: int, user_metadata: str,
                     append: bool = False) -> None:
-    """One Delta commit. ``append``: the rows are new to the table (initial snapshot chunks)."""
+    """One Delta commit. ``append``: every row is new to the table (initial snapshot chunks, or a
+    batch of new rows only: ``Collapsed.new_rows_only``), so a plain append writes it."""
     spark = target.spark
     if not append:
         fill_from_other_rows(target, collapsed, keys)
     source = source_frame(spark, collapsed, data_types)
     with delta_commit_conf(spark, app_id, version, user_metadata):
         if not keys or append:
-            _append(target, source, collapsed)
+            _append(target, source, collapsed, options)
         else:
             _merge(target, source, collapsed, data_types, keys, options)
 
 
-def _append(target: Target, source: DataFrame, collapsed: Collapsed) -> None:
-    """Tables without a key (REPLICA IDENTITY NOTHING): inserts only; a truncate overwrites."""
+def _append(target: Target, source: DataFrame, collapsed: Collapsed, options: TableOptions) -> None:
+    """New rows (and tables without a key, REPLICA IDENTITY NOTHING: inserts only); a truncate overwrites."""
+    from pyspark.sql import functions as F
+
     rows = source.where(f"{OP} = 'U'").drop(OP, KEEP)
+    if options.delete_mode == "soft":
+        rows = rows.withColumn(DELETED, F.lit(False))
     writer = rows.write.format("delta").mode("overwrite" if collapsed.truncate else "append")
     if target.by_name:
         writer.saveAsTable(target.location)

@@ -122,6 +122,10 @@ class Target:
 
     def committed_version(self, app_id: str) -> int | None:
         """The last ``txnVersion`` committed under ``app_id`` (Delta's SetTransaction), or None."""
+        return self.committed_versions().get(app_id)
+
+    def committed_versions(self) -> dict[str, int]:
+        """Every writer identity's last ``txnVersion`` (Delta's SetTransactions): app id -> version."""
         jvm = self.spark._jvm  # type: ignore[attr-defined]
         # Delta rebuilds the snapshot with the JVM thread's active session. A py4j thread of ours
         # (a parallel table, a foreachBatch callback) may have none: set it, or the read fails with
@@ -134,8 +138,12 @@ class Target:
         else:
             log = delta_log.forTable(self.spark._jsparkSession, self.location)  # type: ignore[attr-defined]
         empty = jvm.scala.Option.empty()
-        version = log.update(False, empty, empty).transactions().get(app_id)
-        return int(version.get()) if version.isDefined() else None
+        entries = log.update(False, empty, empty).transactions().iterator()
+        versions: dict[str, int] = {}
+        while entries.hasNext():
+            entry = entries.next()
+            versions[str(entry._1())] = int(entry._2())
+        return versions
 
     def clear(self) -> None:
         self.spark.sql(f"DELETE FROM {self.sql}")

@@ -1,5 +1,6 @@
 """`cdc-apply bench apply`: one collapsed MERGE of mixed changes into a large Delta table, side by side
-with a plain append of the same rows and with one MERGE per 100-row transaction.
+with a plain append of the same rows and with one MERGE per 100-row transaction; then batches of
+new rows only, written by MERGE and by the append ``BatchApplier`` uses for them, alternating.
 
 Change rows are generated directly (the decode path has its own benchmark): ``changes`` rows in
 100-row transactions, 60% updates, 20% inserts, 20% deletes, over a ``rows``-row target.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import random
 import resource
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator
@@ -56,6 +58,14 @@ def generate_changes(rows: int, changes: int, seed: int = 7) -> Iterator[dict[st
             yield base | {"op": "D", "key": {"id": rng.randint(1, rows)}, "new": None}
 
 
+def insert_changes(first_key: int, count: int, lsn: int) -> Iterator[dict[str, Any]]:
+    """``count`` inserts of keys from ``first_key`` on: a batch of new rows only."""
+    for n in range(count):
+        key = first_key + n
+        yield {"commit_lsn": lsn, "commit_ts": BASE_TS + n, "xid": 9000, "seq": n, "old": None, "unchanged": [],
+               "truncate_options": None, "op": "I", "key": {"id": key}, "new": _image(key, 0)}
+
+
 def _peak_jvm_heap_mb(spark: Any) -> float:
     management = spark._jvm.java.lang.management.ManagementFactory
     total = 0
@@ -65,7 +75,8 @@ def _peak_jvm_heap_mb(spark: Any) -> float:
     return total / 2**20
 
 
-def bench_apply(rows: int, changes: int, per_transaction_slice: int) -> None:
+def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batch: int = 5_000,
+                insert_rounds: int = 5) -> None:
     spark = build_spark_session()
     folder = tempfile.mkdtemp(prefix="cdc_apply_bench_apply_")
     options = TableOptions()
@@ -120,6 +131,21 @@ def bench_apply(rows: int, changes: int, per_transaction_slice: int) -> None:
                             "bench/per-transaction", 10 + transactions, "{}")
         per_txn_s = time.perf_counter() - started
 
+        print(f"{insert_rounds} rounds of {insert_batch:,} new rows: MERGE, then append, into the same table ...",
+              flush=True)
+        timings: dict[bool, list[float]] = {False: [], True: []}
+        next_key = rows + changes + 1  # past every generated key
+        for version in range(insert_rounds * 2):
+            append = version % 2 == 1
+            batch = collapse(list(insert_changes(next_key, insert_batch, (1 << 40) + version)))
+            assert batch.new_rows_only
+            next_key += insert_batch
+            started = time.perf_counter()
+            merge_collapsed(target, batch, dict(COLUMNS), ("id",), options, "bench/new-rows", 100 + version, "{}",
+                            append=append)
+            timings[append].append(time.perf_counter() - started)
+        new_rows_merge, new_rows_append = (statistics.median(timings[mode]) for mode in (False, True))
+
         total = collapse_s + merge_s
         per_change_batched = total / changes
         per_change_txn = per_txn_s / len(slice_rows)
@@ -131,6 +157,8 @@ def bench_apply(rows: int, changes: int, per_transaction_slice: int) -> None:
         print(f"  one MERGE per 100-row transaction ({transactions} transactions, {len(slice_rows):,} changes): "
               f"{per_txn_s:.1f} s = {per_change_txn * 1e3:.2f} ms/change, "
               f"{per_change_txn / per_change_batched:,.0f}x slower per change than batched")
+        print(f"  a batch of {insert_batch:,} new rows (median of {insert_rounds}): MERGE {new_rows_merge:.2f} s, "
+              f"append {new_rows_append:.2f} s: the append is {new_rows_merge / new_rows_append:.1f}x faster")
         print(f"  peak memory: Python driver {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MB, "
               f"JVM heap {_peak_jvm_heap_mb(spark):,.0f} MB")
     finally:
