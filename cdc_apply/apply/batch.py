@@ -189,8 +189,11 @@ class BatchApplier:
         writers = target.committed_versions() if exists and not snapshot else {}
         done = writers.get(app_id)
         # The target equals the source as of ``done`` when this pipeline alone has written it (or
-        # creates it now): then a key whose first change in the batch is an insert is not in it.
-        appendable = not snapshot and (not exists or set(writers) == {app_id})
+        # creates it now) and the version is an LSN, so rows it holds are dropped below: then a key
+        # whose first change in the batch is an insert is not in it. A micro-batch id says nothing
+        # of which rows a frame holds (foreach_batch may be handed the same rows again), so
+        # foreach_batch keeps the MERGE.
+        appendable = versioning.by_lsn and not snapshot and (not exists or set(writers) == {app_id})
         if done is not None and done >= version:
             result.skipped = True
             return result
@@ -232,27 +235,29 @@ class BatchApplier:
                 if not key_state.deleted and key_state.commit_lsn < backfill.before_lsn:
                     key_state.values.setdefault(backfill.column, backfill.value)
         data_types = target.data_types()
-        metadata = {"cdc_apply": "snapshot" if snapshot else "merge", "pipeline": self.options.pipeline, "relation_oid": oid,
-                    "source": qualified, "first_lsn": format_lsn(collapsed.first_lsn or 0),
-                    "last_lsn": format_lsn(collapsed.last_lsn or 0), "ops": dict(collapsed.op_counts)}
+        history = isinstance(collapser, HistoryCollapser)
+        append = snapshot or (appendable and not history and collapsed.new_rows_only)
+        write = "snapshot" if snapshot else "append" if append else "merge"
+        metadata = {"cdc_apply": write, "pipeline": self.options.pipeline, "relation_oid": oid, "source": qualified,
+                    "first_lsn": format_lsn(collapsed.first_lsn or 0), "last_lsn": format_lsn(collapsed.last_lsn or 0),
+                    "ops": dict(collapsed.op_counts)}
         if collapsed.truncate is not None:
             metadata["truncate"] = {"lsn": format_lsn(collapsed.truncate.commit_lsn),
                                     "cascade": bool(collapsed.truncate.options & m.TRUNCATE_CASCADE),
                                     "restart_identity": bool(collapsed.truncate.options & m.TRUNCATE_RESTART_IDENTITY)}
-        if isinstance(collapser, HistoryCollapser):
+        if history:
             if not state.keys:
                 raise TableConfigError(f"{qualified}: SCD type 2 needs a key; set tables.<name>.keys")
             merge_history(target, collapser, data_types, state.keys, None if snapshot else app_id, version,
                           json.dumps(metadata, sort_keys=True))
         else:
-            append = snapshot or (appendable and collapsed.new_rows_only)
             merge_collapsed(target, collapsed, data_types, state.keys, options, None if snapshot else app_id,
                             version, json.dumps(metadata, sort_keys=True), append=append)
         result.ops = collapsed.op_counts
         result.keys_written = len(collapsed.states)
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn
         result.seconds = time.perf_counter() - started
-        log.info("%s: %s in %.1f s", qualified, dict(result.ops), result.seconds)
+        log.info("%s: %s in %.1f s (%s)", qualified, dict(result.ops), result.seconds, write)
         return result
 
     def _columns(self, relation: m.Relation, options: TableOptions) -> list[tuple[str, str]]:
