@@ -19,6 +19,7 @@ Invariants (checked by tests/test_assemble*.py):
 
 from __future__ import annotations
 
+import logging
 import pickle
 import struct
 import tempfile
@@ -32,6 +33,8 @@ from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import PgOutputDecoder
 from cdc_apply.sources.raw import RawMessage
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SPILL_BYTES = 64 * 1024 * 1024
 
@@ -281,6 +284,19 @@ class Assembler:
             in_flight.append(self._current.first_lsn)
         return min([processed_lsn, *in_flight])
 
+    def unfinished(self) -> list[tuple[int, int, str]]:
+        """(xid, first LSN, kind) of every transaction begun but neither committed nor aborted."""
+        open_ = [*self._streamed.values(), *self._prepared.values()]
+        if self._current is not None:
+            open_.append(self._current)
+        return [(txn.xid, txn.first_lsn, txn.kind) for txn in open_]
+
+    def warn_unfinished(self, what: str) -> None:
+        """At the end of a finite input (a capture): say which transactions it cut off, and dropped."""
+        for xid, first_lsn, kind in self.unfinished():
+            log.warning("%s ends inside %s transaction %d (begun at LSN %s): its changes are not applied",
+                        what, kind, xid, format_lsn(first_lsn))
+
     def close(self) -> None:
         for txn in [*self._streamed.values(), *self._prepared.values()]:
             txn.buffer.discard()
@@ -442,6 +458,8 @@ class Assembler:
         return self._emit(txn.finish(msg.commit_lsn, msg.end_lsn, msg.commit_ts))
 
     def _on_stream_abort(self, msg: m.StreamAbort, raw: RawMessage) -> list[Event]:
+        if self._stream_xid is not None:  # the walsender sends it only after Stream Stop
+            raise AssemblyError(f"Stream Abort for transaction {msg.xid} inside an open stream block")
         if msg.aborts_whole_transaction:
             txn = self._streamed.pop(msg.xid, None)
             if txn is not None:
@@ -487,6 +505,20 @@ _HANDLERS = {
 }
 
 
+def batches(transactions: Iterable[Transaction], max_changes: int) -> Iterator[list[Transaction]]:
+    """Cut at transaction boundaries once a batch holds ``max_changes`` changes (never splits one)."""
+    batch: list[Transaction] = []
+    size = 0
+    for txn in transactions:
+        batch.append(txn)
+        size += len(txn.changes)
+        if size >= max_changes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
 def assemble(raws: Iterable[RawMessage], **options: object) -> Iterator[Transaction]:
     """Committed transactions from a finite run of raw messages (a capture, a batch)."""
     assembler = Assembler(**options)  # type: ignore[arg-type]
@@ -496,4 +528,4 @@ def assemble(raws: Iterable[RawMessage], **options: object) -> Iterator[Transact
         assembler.close()
 
 
-__all__ = ["Assembler", "Change", "Transaction", "NonTransactionalMessage", "assemble"]
+__all__ = ["Assembler", "Change", "Transaction", "NonTransactionalMessage", "assemble", "batches"]

@@ -7,8 +7,9 @@ key path (``tables."public.orders".delete_mode``) and what is allowed.
 from __future__ import annotations
 
 import os
+import re
 import string
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import yaml
@@ -23,7 +24,22 @@ class ConfigError(CdcApplyError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# PostgreSQL truncates identifiers to NAMEDATALEN - 1 bytes: two longer names could share one slot.
+MAX_IDENTIFIER_BYTES = 63
+# Bounds that keep a typo (1e35) from reaching the pipeline as a number nothing can honour.
+MAX_CHANGES = 100_000_000
+MAX_SECONDS = 86_400.0
+MAX_BYTES = 2**40
+
+
+def _identifier_length(value: str, what: str) -> str:
+    if not value or len(value.encode()) > MAX_IDENTIFIER_BYTES:
+        raise ValueError(f"{what} must be 1 to {MAX_IDENTIFIER_BYTES} bytes (PostgreSQL truncates longer names, "
+                         "so two configs could share one)")
+    return value
 
 
 class SourceConfig(_Strict):
@@ -34,7 +50,7 @@ class SourceConfig(_Strict):
     user: str = "postgres"
     password_env: str | None = None
     password_file: str | None = None
-    slot: str = "cdc_apply"
+    slot: str = Field("cdc_apply", pattern=r"^[a-z0-9_]+$")  # PostgreSQL's rule for replication slot names
     publication: str = "cdc_apply"
     create_slot: bool = True
     create_publication: bool = False
@@ -46,6 +62,16 @@ class SourceConfig(_Strict):
     messages: bool = False
     origin: Literal["any", "none"] | None = None
     skip_origins: list[str] = []
+
+    @field_validator("slot")
+    @classmethod
+    def _slot_length(cls, value: str) -> str:
+        return _identifier_length(value, "a slot name")
+
+    @field_validator("publication")
+    @classmethod
+    def _publication_length(cls, value: str) -> str:
+        return _identifier_length(value, "a publication name")
 
     @model_validator(mode="after")
     def _one_password_source(self) -> SourceConfig:
@@ -118,12 +144,24 @@ class TargetConfig(_Strict):
         if value is None:
             return value
         try:
-            fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+            parts = list(string.Formatter().parse(value))
         except ValueError as exc:
             raise ValueError(f"not a valid template: {exc}") from None
-        unknown = fields - {"schema", "table"}
-        if unknown or "table" not in fields:
-            raise ValueError("may use only {schema} and {table}, and must use {table}")
+        fields = [(name, spec, conversion) for _, name, spec, conversion in parts if name is not None]
+        if any(name not in ("schema", "table") or spec or conversion for name, spec, conversion in fields) \
+                or "table" not in {name for name, _, _ in fields}:
+            raise ValueError("may use only plain {schema} and {table} (no conversion or format spec), "
+                             "and must use {table}")
+        return value
+
+    @field_validator("path_template")
+    @classmethod
+    def _stays_under_warehouse(cls, value: str) -> str:
+        literal = "".join(text for text, _, _, _ in string.Formatter().parse(value))
+        if "\\" in value or "\0" in value or value.startswith("/") or re.match(r"^[A-Za-z]:", value):
+            raise ValueError("must be a relative path under the warehouse (no leading '/', drive or backslash)")
+        if any(part in ("..", ".") for part in PurePosixPath(value).parts) or ".." in literal.split("/"):
+            raise ValueError("must stay under the warehouse: no '.' or '..' path component")
         return value
 
     @field_validator("warehouse")
@@ -135,15 +173,15 @@ class TargetConfig(_Strict):
 
 
 class BatchingConfig(_Strict):
-    max_changes: int = Field(200_000, ge=1)
-    max_seconds: float = Field(10.0, gt=0)
-    spill_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    max_changes: int = Field(200_000, ge=1, le=MAX_CHANGES)
+    max_seconds: float = Field(10.0, gt=0, le=MAX_SECONDS)
+    spill_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=MAX_BYTES)
     parallel_tables: int = Field(4, ge=1, le=64)  # tables of one batch applied at once, each in its own session
 
 
 class SnapshotConfig(_Strict):
     enabled: bool = True  # copy each published table before streaming its changes
-    chunk_rows: int = Field(100_000, ge=1)
+    chunk_rows: int = Field(100_000, ge=1, le=MAX_CHANGES)
 
 
 class StreamConfig(_Strict):
@@ -151,8 +189,8 @@ class StreamConfig(_Strict):
 
     checkpoint_location: str | None = None  # None: <warehouse>/_cdc_apply/checkpoints/<pipeline>
     trigger: Literal["processing_time", "available_now"] = "processing_time"
-    interval_seconds: float = Field(5.0, gt=0)  # processing_time: time between micro-batch starts
-    max_changes_per_trigger: int | None = Field(None, ge=1)  # None: batching.max_changes
+    interval_seconds: float = Field(5.0, gt=0, le=MAX_SECONDS)  # processing_time: time between micro-batch starts
+    max_changes_per_trigger: int | None = Field(None, ge=1, le=MAX_CHANGES)  # None: batching.max_changes
 
 
 class Config(_Strict):
@@ -174,12 +212,30 @@ class Config(_Strict):
                             defaults=self.defaults.options(), table_properties=dict(self.target.properties))
 
 
+MAX_ECHO_CHARS = 80
+_SECRET_KEY = re.compile(r"pass|secret|token|credential|private|auth", re.IGNORECASE)
+_SECRET_TEXT = re.compile(r"password|secret|token|://[^\s@]*:[^\s@]*@", re.IGNORECASE)
+
+
 def _key_path(location: tuple[Any, ...]) -> str:
     parts = []
     for part in location:
-        text = str(part)
+        text = str(part)[:MAX_ECHO_CHARS]
         parts.append(f'"{text}"' if any(c in text for c in ".* ") else text)
     return ".".join(parts) or "(top level)"
+
+
+def _echo(location: tuple[Any, ...], value: Any, unknown_key: bool) -> str:
+    """What an error may show of the offending value: never the value of an unknown key (it may be
+    a secret put in the wrong place), never one under or looking like a secret, and never much."""
+    if unknown_key or any(_SECRET_KEY.search(str(part)) for part in location):
+        return ""
+    if isinstance(value, (dict, list)):
+        return f" (got a {'mapping' if isinstance(value, dict) else 'list'})"
+    text = repr(value)
+    if _SECRET_TEXT.search(text):
+        return " (value not shown: it looks like a secret)"
+    return f" (got {text[:MAX_ECHO_CHARS]}{'...' if len(text) > MAX_ECHO_CHARS else ''})"
 
 
 def parse_config(data: Any, source: str = "config") -> Config:
@@ -191,26 +247,96 @@ def parse_config(data: Any, source: str = "config") -> Config:
         return Config.model_validate(data)
     except ValidationError as exc:
         lines = []
-        for error in exc.errors():
+        errors = exc.errors()
+        for error in errors[:MAX_REPORTED_ERRORS]:
             message = error["msg"].removeprefix("Value error, ")
-            if error["type"] == "extra_forbidden":
+            unknown = error["type"] == "extra_forbidden"
+            if unknown:
                 message = "unknown key"
             elif error["type"] == "literal_error":
                 message = f"must be one of {error['ctx']['expected']}"
-            lines.append(f"{source}: {_key_path(error['loc'])}: {message} (got {error.get('input')!r})")
+            lines.append(f"{source}: {_key_path(error['loc'])}: {message}{_echo(error['loc'], error.get('input'), unknown)}")
+        if len(errors) > MAX_REPORTED_ERRORS:
+            lines.append(f"{source}: ... and {len(errors) - MAX_REPORTED_ERRORS} more error(s)")
         raise ConfigError("\n".join(lines)) from None
+
+
+MAX_REPORTED_ERRORS = 20
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_CONFIG_NODES = 100_000  # counted with aliases expanded: a "billion laughs" file is refused
+MAX_CONFIG_DEPTH = 32
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (the last one would silently win)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"key {str(key)[:MAX_ECHO_CHARS]!r} appears twice (first at line {seen[key].start_mark.line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def _check_size(node: yaml.Node, where: str) -> None:
+    """Node count with aliases expanded, and depth, computed without expanding anything."""
+    sizes: dict[int, int] = {}
+
+    def size(current: yaml.Node, depth: int) -> int:
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{where}:{current.start_mark.line + 1}: nested deeper than {MAX_CONFIG_DEPTH} levels")
+        known = sizes.get(id(current))
+        if known is not None:
+            return known
+        total = 1
+        if isinstance(current, yaml.SequenceNode):
+            total += sum(size(child, depth + 1) for child in current.value)
+        elif isinstance(current, yaml.MappingNode):
+            total += sum(size(key, depth + 1) + size(value, depth + 1) for key, value in current.value)
+        if total > MAX_CONFIG_NODES:
+            raise ConfigError(f"{where}:{current.start_mark.line + 1}: the config expands to more than "
+                              f"{MAX_CONFIG_NODES} values (aliases counted as often as they are used)")
+        sizes[id(current)] = total
+        return total
+
+    size(node, 0)
 
 
 def load_config(path: str | Path) -> Config:
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: a config of {len(raw)} bytes is larger than the {MAX_CONFIG_BYTES} allowed")
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not a YAML text file (byte {exc.start} is not UTF-8)") from None
+    try:
+        loader = _ConfigLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is not None:
+                _check_size(node, str(path))
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         raise ConfigError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply to read") from None
     return parse_config(data, str(path))

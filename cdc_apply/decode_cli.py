@@ -6,13 +6,16 @@ import json
 from collections.abc import Sequence
 from typing import TextIO
 
-from cdc_apply.assemble import Assembler
-from cdc_apply.changes import change_rows
+from cdc_apply.assemble import Assembler, batches
+from cdc_apply.changes import ChangeRowBuilder
 from cdc_apply.errors import DecodeError
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput.decoder import PgOutputDecoder
 from cdc_apply.render import change_row_json, message_json
 from cdc_apply.sources.capture import read_captures
+
+
+CHANGES_PER_BATCH = 10_000
 
 
 def _dump(obj: object, out: TextIO) -> None:
@@ -22,10 +25,14 @@ def _dump(obj: object, out: TextIO) -> None:
 def run_decode(paths: Sequence[str], *, changes: bool, out: TextIO) -> int:
     if changes:
         assembler = Assembler()
+        builder = ChangeRowBuilder()
         try:
-            for segment in change_rows(assembler.transactions(read_captures(paths))):
-                for row in segment.rows:
-                    _dump(change_row_json(segment, row), out)
+            # A batch at a time, so memory stays bounded: rows come out per table within each batch.
+            for batch in batches(assembler.transactions(read_captures(paths)), CHANGES_PER_BATCH):
+                for segment in builder.build(batch):
+                    for row in segment.rows:
+                        _dump(change_row_json(segment, row), out)
+            assembler.warn_unfinished("the capture")
         finally:
             assembler.close()
         return 0

@@ -12,8 +12,9 @@ import re
 from datetime import datetime, timezone
 
 _SECRETS = [
-    (re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE), r"\1***"),
-    (re.compile(r"(PGPASSWORD\s*=\s*)(\S+)"), r"\1***"),
+    # An unquoted value ends at white space or a quote, so a redacted value inside quotes keeps them.
+    (re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s'\"]+)", re.IGNORECASE), r"\1***"),
+    (re.compile(r"(PGPASSWORD\s*=\s*)([^\s'\"]+)"), r"\1***"),
     (re.compile(r"(://[^:/@\s]+:)([^@\s]+)(@)"), r"\1***\3"),
 ]
 

@@ -6,32 +6,18 @@ boundaries, apply each batch. Replaying a capture twice changes nothing (exactly
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.apply.options import ApplyOptions
-from cdc_apply.assemble import Assembler, Transaction
+from cdc_apply.assemble import Assembler, batches
 from cdc_apply.lsn import format_lsn
 from cdc_apply.progress import progress
 from cdc_apply.sources.capture import read_captures
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-
-
-def batches(transactions: Iterable[Transaction], max_changes: int) -> Iterator[list[Transaction]]:
-    """Cut at transaction boundaries once a batch holds ``max_changes`` changes (never splits one)."""
-    batch: list[Transaction] = []
-    size = 0
-    for txn in transactions:
-        batch.append(txn)
-        size += len(txn.changes)
-        if size >= max_changes:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
 
 
 def replay(spark: SparkSession, paths: Sequence[str], options: ApplyOptions, *, max_changes: int = 1_000_000,
@@ -44,6 +30,7 @@ def replay(spark: SparkSession, paths: Sequence[str], options: ApplyOptions, *, 
             for batch in batches(assembler.transactions(read_captures(paths)), max_changes):
                 results.append(applier.apply(batch))
                 advance(sum(len(txn.changes) for txn in batch))
+        assembler.warn_unfinished("the capture")
     finally:
         assembler.close()
     return results

@@ -27,7 +27,7 @@ def test_example_config_is_valid_and_maps_to_apply_options(tmp_path) -> None:  #
     ({"source": {"password_env": "A", "password_file": "/x"}}, "source: set password_env or password_file"),
     ({"batching": {"max_changes": 0}}, "batching.max_changes"),
     ({"pipeline": "has space"}, "pipeline: String should match pattern"),
-    ({"target": {"name_template": "lake.{tabel}"}}, "target.name_template: may use only {schema} and {table}"),
+    ({"target": {"name_template": "lake.{tabel}"}}, "target.name_template: may use only plain {schema} and {table}"),
     ({"target": {"path_template": "{schema}/{table"}}, "target.path_template: not a valid template"),
     ({"batching": {"parallel_tables": 0}}, "batching.parallel_tables: Input should be greater than or equal to 1"),
     ({"snapshot": {"chunk_rows": 0}}, "snapshot.chunk_rows"),

@@ -7,10 +7,13 @@ directly. Defaults are what a data engineer expects: hard deletes, no history, l
 from __future__ import annotations
 
 import fnmatch
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from cdc_apply.errors import CdcApplyError
 
 DeleteMode = Literal["hard", "soft"]
 SchemaPolicy = Literal["evolve", "lenient", "ignore", "fail"]
@@ -25,6 +28,30 @@ DELETED = "_cdc_deleted"
 VALID_FROM = "_cdc_valid_from"
 VALID_TO = "_cdc_valid_to"
 CURRENT = "_cdc_current"
+
+
+class TargetPathError(CdcApplyError):
+    """A target location that would lie outside the warehouse."""
+
+
+_PLAIN_PATH_CHARACTERS = frozenset("_-$")
+
+
+def path_component(identifier: str) -> str:
+    """A PostgreSQL identifier as one safe path component, injectively (docs/apply.md, "Target paths").
+
+    Letters, digits, ``_``, ``-``, ``$`` and a dot that is not the first character stay as they are,
+    so ``public`` and ``order_items`` keep their names; every other character, ``%`` included,
+    becomes ``%XX`` per UTF-8 byte. ``..`` becomes ``%2E.``, ``a/b`` becomes ``a%2Fb``.
+    """
+    out = []
+    for position, character in enumerate(identifier):
+        if character.isalnum() and character.isprintable() or character in _PLAIN_PATH_CHARACTERS \
+                or (character == "." and position > 0):
+            out.append(character)
+        else:
+            out.append("".join(f"%{byte:02X}" for byte in character.encode("utf-8", "surrogatepass")))
+    return "".join(out) or "%"
 
 
 @dataclass(frozen=True)
@@ -60,10 +87,20 @@ class ApplyOptions:
     name_template: str | None = None  # a catalog table name instead of a path, e.g. "lake.{schema}_{table}"
 
     def default_target(self, schema: str, table: str) -> tuple[str, bool]:
-        """(location, by_name) of a table's target when its options name none."""
+        """(location, by_name) of a table's target when its options name none.
+
+        A path is built from the identifiers encoded by ``path_component``, and must lie under the
+        warehouse: an identifier may hold any character, ``/`` and ``..`` included.
+        """
         if self.name_template is not None:
             return self.name_template.format(schema=schema, table=table), True
-        return str(Path(self.warehouse) / self.path_template.format(schema=schema, table=table)), False
+        relative = self.path_template.format(schema=path_component(schema), table=path_component(table))
+        warehouse = Path(self.warehouse).absolute()
+        location = Path(os.path.normpath(warehouse / relative))
+        if location == warehouse or not location.is_relative_to(warehouse) or Path(relative).is_absolute():
+            raise TargetPathError(f"target.path_template: the target of {schema!r}.{table!r} would be {location}, "
+                                  f"which is not under the warehouse {warehouse}")
+        return str(Path(self.warehouse) / relative), False
 
     def for_table(self, schema: str, table: str) -> TableOptions:
         qualified = f"{schema}.{table}"

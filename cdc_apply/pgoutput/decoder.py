@@ -20,6 +20,7 @@ _VALUE_LENGTH = struct.Struct("!i")
 _NO_DATA_KINDS = (m.KIND_NULL, m.KIND_UNCHANGED_TOAST)
 _DATA_KINDS = (m.KIND_TEXT, m.KIND_BINARY)
 
+MAX_COLUMNS = 1600  # PostgreSQL's MaxHeapAttributeNumber: no table has more
 STREAM_ABORT_V2_LENGTH = 1 + 4 + 4
 STREAM_ABORT_V4_LENGTH = STREAM_ABORT_V2_LENGTH + 8 + 8
 
@@ -100,14 +101,19 @@ def _relation(r: Reader, xid: int | None) -> m.Relation:
     if identity not in m.REPLICA_IDENTITY_NAMES:
         raise r.fail(f"replica identity is {identity!r}, expected d, n, f or i", r.pos - 1)
     count = r.int16("column count")
-    if count < 0:
-        raise r.fail(f"column count is negative ({count})", r.pos - 2)
-    columns = tuple(
-        m.RelationColumn(r.byte("column flags"), r.cstring("column name"), r.uint32("column type OID"),
-                         r.int32("column type modifier"))
-        for _ in range(count)
-    )
-    return m.Relation(xid, oid, namespace, name, identity, columns)
+    if not 0 <= count <= MAX_COLUMNS:
+        raise r.fail(f"column count {count} is outside 0..{MAX_COLUMNS}", r.pos - 2)
+    columns = []
+    names: set[str] = set()
+    for _ in range(count):
+        start = r.pos
+        column = m.RelationColumn(r.byte("column flags"), r.cstring("column name"), r.uint32("column type OID"),
+                                  r.int32("column type modifier"))
+        if column.name in names:
+            raise r.fail(f"column name {column.name[:64]!r} appears twice", start)
+        names.add(column.name)
+        columns.append(column)
+    return m.Relation(xid, oid, namespace, name, identity, tuple(columns))
 
 
 def _type(r: Reader, xid: int | None) -> m.Type:

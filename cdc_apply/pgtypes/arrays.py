@@ -12,6 +12,7 @@ from typing import Any
 
 from cdc_apply.pgtypes.registry import PgType, ValueConversionError, lookup, register, registered
 
+MAX_DIMENSIONS = 6  # PostgreSQL's MAXDIM
 _ARRAY_HEADER = struct.Struct("!iii")
 _DIMENSION = struct.Struct("!ii")
 _LENGTH = struct.Struct("!i")
@@ -26,22 +27,23 @@ def parse_array_literal(text: str) -> list[Any]:
         text = text[equals + 1:]
     if not text.startswith("{"):
         raise ValueConversionError(f"array literal must start with '{{': {text[:40]!r}")
-    value, end = _parse_level(text, 0)
+    value, end = _parse_level(text, 0, 1)
     if end != len(text):
         raise ValueConversionError(f"trailing characters after array literal at {end}")
     return value
 
 
-def _parse_level(text: str, pos: int) -> tuple[list[Any], int]:
-    assert text[pos] == "{"
-    pos += 1
+def _parse_level(text: str, pos: int, depth: int) -> tuple[list[Any], int]:
+    if depth > MAX_DIMENSIONS:
+        raise ValueConversionError(f"array literal nested deeper than {MAX_DIMENSIONS} dimensions at {pos}")
+    pos += 1  # past "{"
     items: list[Any] = []
     if text[pos:pos + 1] == "}":
         return items, pos + 1
     while pos < len(text):
         ch = text[pos]
         if ch == "{":
-            item, pos = _parse_level(text, pos)
+            item, pos = _parse_level(text, pos, depth + 1)
             items.append(item)
         elif ch == '"':
             chars = []
@@ -49,6 +51,8 @@ def _parse_level(text: str, pos: int) -> tuple[list[Any], int]:
             while pos < len(text) and text[pos] != '"':
                 if text[pos] == "\\":
                     pos += 1
+                    if pos >= len(text):
+                        break
                 chars.append(text[pos])
                 pos += 1
             if pos >= len(text):
@@ -106,6 +110,10 @@ def decode_binary_array(raw: bytes, element: PgType, typmod: int) -> list[Any]:
     total = 1
     for d in dims:
         total *= d
+    if total == 0:  # array_recv: any zero dimension is the empty array
+        if pos != len(raw):
+            raise ValueConversionError("trailing bytes after binary array")
+        return []
     if total > len(raw):  # every element takes at least 4 bytes: a guard against absurd sizes
         raise ValueConversionError("binary array declares more elements than its bytes can hold")
     flat: list[Any] = []

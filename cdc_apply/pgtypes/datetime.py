@@ -71,7 +71,16 @@ def date_from_text(text: str, typmod: int = -1) -> int:
     if not match:
         raise ValueConversionError(f"not an ISO date: {text!r}")
     year, month, day = (int(g) for g in match.groups())
-    return days_from_civil(_astronomical_year(year, bc), month, day)
+    year = _astronomical_year(year, bc)
+    if not 1 <= month <= 12 or not 1 <= day <= _days_in_month(year, month):
+        raise ValueConversionError(f"not a calendar date: {text!r}")
+    return days_from_civil(year, month, day)
+
+
+def _days_in_month(year: int, month: int) -> int:
+    if month == 2:
+        return 29 if year % 4 == 0 and (year % 100 != 0 or year % 400 == 0) else 28
+    return 30 if month in (4, 6, 9, 11) else 31
 
 
 def date_from_binary(raw: bytes, typmod: int = -1) -> int:
@@ -99,12 +108,22 @@ def _fraction_us(fraction: str | None) -> int:
 
 def _time_of_day_us(match: re.Match[str]) -> int:
     hours, minutes, seconds = int(match[1]), int(match[2]), int(match[3])
-    return ((hours * 60 + minutes) * 60 + seconds) * 1_000_000 + _fraction_us(match[4])
+    fraction = _fraction_us(match[4])
+    # PostgreSQL prints 24:00:00 only for the time types, never for a timestamp (it rolls the day over).
+    if hours > 24 or minutes > 59 or seconds > 59 or (hours == 24 and (minutes or seconds or fraction)):
+        raise ValueConversionError(f"not a time of day: {match[0]!r}")
+    return ((hours * 60 + minutes) * 60 + seconds) * 1_000_000 + fraction
+
+
+MAX_ZONE_HOURS = 15  # PostgreSQL's limit on a UTC offset (MAX_TZDISP_HOUR)
 
 
 def _zone_seconds(match: re.Match[str]) -> int:
     sign = -1 if match[1] == "-" else 1
-    return sign * (int(match[2]) * 3600 + int(match[3] or 0) * 60 + int(match[4] or 0))
+    hours, minutes, seconds = int(match[2]), int(match[3] or 0), int(match[4] or 0)
+    if hours > MAX_ZONE_HOURS or minutes > 59 or seconds > 59:
+        raise ValueConversionError(f"not a UTC offset: {match[0]!r}")
+    return sign * (hours * 3600 + minutes * 60 + seconds)
 
 
 def _timestamp_parts(text: str, with_zone: bool) -> int:
@@ -112,7 +131,7 @@ def _timestamp_parts(text: str, with_zone: bool) -> int:
     date_text, _, rest = body.partition(" ")
     days = date_from_text(date_text + (" BC" if bc else ""))
     time_match = _TIME.match(rest)
-    if not time_match:
+    if not time_match or time_match[1] == "24":
         raise ValueConversionError(f"not an ISO timestamp: {text!r}")
     value = days * US_PER_DAY + _time_of_day_us(time_match)
     zone_text = rest[time_match.end():]
@@ -169,8 +188,10 @@ def format_timestamp(us: int, utc_suffix: bool = False) -> str:
 
 
 def _time_text(text: str, typmod: int) -> str:
-    if not _TIME.fullmatch(text) and text != "24:00:00":
+    match = _TIME.fullmatch(text)
+    if not match:
         raise ValueConversionError(f"not a time: {text!r}")
+    _time_of_day_us(match)
     return text
 
 
@@ -194,8 +215,11 @@ def format_zone(seconds_east: int) -> str:
 
 def _timetz_text(text: str, typmod: int) -> str:
     match = _TIME.match(text)
-    if not match or not _ZONE.fullmatch(text[match.end():]):
+    zone = _ZONE.fullmatch(text[match.end():]) if match else None
+    if not match or not zone:
         raise ValueConversionError(f"not a time with time zone: {text!r}")
+    _time_of_day_us(match)
+    _zone_seconds(zone)
     return text
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import struct
 from decimal import Context, Decimal, InvalidOperation
 
@@ -26,8 +27,21 @@ def _struct_reader(fmt: str, name: str):  # type: ignore[no-untyped-def]
     return read
 
 
-def _int_text(text: str, typmod: int) -> int:
-    return int(text)
+_INTEGER_TEXT = re.compile(r"-?[0-9]+")
+
+
+def _int_reader(name: str, low: int, high: int):  # type: ignore[no-untyped-def]
+    """int4out's grammar only (Python's int() also takes " 12 ", "1_000" and "+5"), in the type's range."""
+
+    def read(text: str, typmod: int) -> int:
+        if len(text) > 20 or not _INTEGER_TEXT.fullmatch(text):
+            raise ValueConversionError(f"not an {name}: {text[:40]!r}")
+        value = int(text)
+        if not low <= value <= high:
+            raise ValueConversionError(f"{name} value {text} out of range")
+        return value
+
+    return read
 
 
 def _bool_text(text: str, typmod: int) -> bool:
@@ -38,8 +52,17 @@ def _bool_text(text: str, typmod: int) -> bool:
     raise ValueConversionError(f"not a boolean: {text!r}")
 
 
+# float8out's grammar: Python's float() also takes " 1 ", "1_0", "+1" and "inf", which PostgreSQL never prints.
+_FLOAT_TEXT = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|NaN|-?Infinity")
+
+
 def _float_text(text: str, typmod: int) -> float:
-    return float(text)  # Python reads NaN, Infinity, -Infinity and -0 as PostgreSQL prints them
+    if not _FLOAT_TEXT.fullmatch(text):
+        raise ValueConversionError(f"not a floating-point value: {text[:40]!r}")
+    value = float(text)  # Python reads NaN, Infinity, -Infinity and -0 as PostgreSQL prints them
+    if math.isinf(value) and not text.endswith("Infinity"):
+        raise ValueConversionError(f"floating-point value {text[:40]} out of range")
+    return value
 
 
 _FLOAT4 = struct.Struct("!f")
@@ -47,7 +70,14 @@ _FLOAT4 = struct.Struct("!f")
 
 def _float4_text(text: str, typmod: int) -> float:
     """Rounded to single precision, the value a float4 column (and Spark's FloatType) holds."""
-    return _FLOAT4.unpack(_FLOAT4.pack(float(text)))[0]
+    value = _float_text(text, typmod)
+    try:
+        single = _FLOAT4.unpack(_FLOAT4.pack(value))[0]
+    except OverflowError:
+        single = math.inf
+    if math.isinf(single) and not math.isinf(value):
+        raise ValueConversionError(f"float4 value {text[:40]} out of range")
+    return single
 
 
 def _float_json(value: float) -> float | str:
@@ -55,11 +85,16 @@ def _float_json(value: float) -> float | str:
 
 
 register(PgType(16, "bool", fixed("boolean"), _bool_text, _struct_reader("!?", "bool"), array_oid=1000))
-register(PgType(21, "int2", fixed("smallint"), _int_text, _struct_reader("!h", "int2"), array_oid=1005))
-register(PgType(23, "int4", fixed("int"), _int_text, _struct_reader("!i", "int4"), array_oid=1007))
-register(PgType(20, "int8", fixed("bigint"), _int_text, _struct_reader("!q", "int8"), array_oid=1016))
-register(PgType(26, "oid", fixed("bigint"), _int_text, _struct_reader("!I", "oid"), array_oid=1028))
-register(PgType(28, "xid", fixed("bigint"), _int_text, _struct_reader("!I", "xid"), array_oid=1011))
+register(PgType(21, "int2", fixed("smallint"), _int_reader("int2", -2**15, 2**15 - 1), _struct_reader("!h", "int2"),
+                array_oid=1005))
+register(PgType(23, "int4", fixed("int"), _int_reader("int4", -2**31, 2**31 - 1), _struct_reader("!i", "int4"),
+                array_oid=1007))
+register(PgType(20, "int8", fixed("bigint"), _int_reader("int8", -2**63, 2**63 - 1), _struct_reader("!q", "int8"),
+                array_oid=1016))
+register(PgType(26, "oid", fixed("bigint"), _int_reader("oid", 0, 2**32 - 1), _struct_reader("!I", "oid"),
+                array_oid=1028))
+register(PgType(28, "xid", fixed("bigint"), _int_reader("xid", 0, 2**32 - 1), _struct_reader("!I", "xid"),
+                array_oid=1011))
 register(PgType(700, "float4", fixed("float"), _float4_text, _struct_reader("!f", "float4"), _float_json,
                 array_oid=1021))
 register(PgType(701, "float8", fixed("double"), _float_text, _struct_reader("!d", "float8"), _float_json,
@@ -81,8 +116,10 @@ def numeric_precision_scale(typmod: int) -> tuple[int, int] | None:
 
 
 def _numeric_is_decimal(typmod: int) -> tuple[int, int] | None:
+    """(precision, scale) of a numeric(p,s) a Spark decimal holds; None keeps PostgreSQL's text
+    (no typmod, p > 38, a negative scale, or a typmod PostgreSQL never makes, such as p = 0)."""
     ps = numeric_precision_scale(typmod)
-    if ps is None or ps[0] > SPARK_MAX_DECIMAL_PRECISION or ps[1] < 0:
+    if ps is None or not 1 <= ps[0] <= SPARK_MAX_DECIMAL_PRECISION or not 0 <= ps[1] <= ps[0]:
         return None
     return ps
 
@@ -90,6 +127,10 @@ def _numeric_is_decimal(typmod: int) -> tuple[int, int] | None:
 def _numeric_spark_type(typmod: int) -> str:
     ps = _numeric_is_decimal(typmod)
     return f"decimal({ps[0]},{ps[1]})" if ps else "string"
+
+
+# numeric_out's grammar for finite values: never an exponent, a "+", a space or an underscore.
+NUMERIC_TEXT = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
 
 
 def _numeric_value(text: str, typmod: int) -> Decimal | str:
@@ -100,10 +141,9 @@ def _numeric_value(text: str, typmod: int) -> Decimal | str:
         raise UnrepresentableValueError(
             f"numeric value {text} does not fit Spark decimal (column typmod {typmod}); "
             "map the column to string to keep it")
-    try:
-        value = Decimal(text)
-    except InvalidOperation:
-        raise ValueConversionError(f"not a numeric: {text!r}") from None
+    if not NUMERIC_TEXT.fullmatch(text):
+        raise ValueConversionError(f"not a numeric: {text[:40]!r}")
+    value = Decimal(text)
     if not _fits(value, *ps):
         raise ValueConversionError(f"numeric value {text} does not fit numeric({ps[0]},{ps[1]})")
     # Exactly the column's scale: Arrow misreads a Decimal whose digit count exceeds its precision.

@@ -41,6 +41,39 @@ def _cast(strings: pa.Array, arrow: pa.DataType) -> pa.Array:
     return pc.cast(strings, arrow)
 
 
+def _require_grammar(strings: pa.Array, pattern: str, what: str) -> None:
+    values = strings.drop_null()
+    if len(values) and not pc.all(pc.match_substring_regex(values, pattern)).as_py():
+        raise VectorFallback(f"{what} outside PostgreSQL's output grammar")
+
+
+# float8out's output; Arrow alone also reads "+1", "inf" and "nan", which the scalar converter refuses.
+_FLOAT_GRAMMAR = r"^(-?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?|NaN|-?Infinity)$"
+
+
+def _float8_text(strings: pa.Array, arrow: pa.DataType) -> pa.Array:
+    _require_grammar(strings, _FLOAT_GRAMMAR, "float text")
+    values = pc.cast(strings, arrow)
+    _refuse_overflow(strings, values)
+    return values
+
+
+def _refuse_overflow(strings: pa.Array, values: pa.Array) -> None:
+    """Text such as 1e400 reads as infinity: let the scalar converter refuse it."""
+    infinite = pc.and_(pc.is_inf(values), pc.invert(pc.match_substring(strings, "Infinity")))
+    if pc.any(infinite).as_py():
+        raise VectorFallback("float text out of range")
+
+
+def _numeric_text(strings: pa.Array, arrow: pa.DataType) -> pa.Array:
+    if not pa.types.is_decimal(arrow):
+        return strings.cast(arrow)  # numeric kept as its exact text
+    # Only numeric_out's plain digits reach Arrow's cast: pyarrow 26 crashes the process (SIGSEGV)
+    # casting "1e-9999999" to a decimal, and an exponent is never what PostgreSQL sends.
+    _require_grammar(strings, r"^-?[0-9]+(\.[0-9]+)?$", "numeric text")
+    return pc.cast(strings, arrow)
+
+
 def _bool_text(strings: pa.Array, arrow: pa.DataType) -> pa.Array:
     values = strings.drop_null()
     if len(values) and not pc.all(pc.is_in(values, value_set=pa.array(["t", "f"], pa.large_string()))).as_py():
@@ -50,7 +83,10 @@ def _bool_text(strings: pa.Array, arrow: pa.DataType) -> pa.Array:
 
 def _float4_text(strings: pa.Array, arrow: pa.DataType) -> pa.Array:
     # Through double first, as the scalar converter rounds: text -> float64 -> float32.
-    return pc.cast(pc.cast(strings, pa.float64()), pa.float32())
+    doubles = _float8_text(strings, pa.float64())
+    singles = pc.cast(doubles, pa.float32())
+    _refuse_overflow(strings, singles)
+    return singles
 
 
 def _fixed_width(dtype: str, shift: int = 0, sentinels: tuple[int, ...] = ()) -> VectorConverter:
@@ -144,11 +180,11 @@ def _register_text(oids: tuple[int, ...], converter: VectorConverter) -> None:
 STRING_OIDS = (25, 1043, 1042, 19, 18, 114)  # text, varchar, bpchar, name, "char", json
 _register_text(STRING_OIDS, _cast)
 _register_text((21, 23, 20, 26, 28), _cast)  # int2, int4, int8, oid, xid
-_register_text((701,), _cast)  # float8: Arrow reads NaN, Infinity, -Infinity and -0 as PostgreSQL prints them
+_register_text((701,), _float8_text)  # Arrow reads NaN, Infinity, -Infinity and -0 as PostgreSQL prints them
 _register_text((700,), _float4_text)
 _register_text((16,), _bool_text)
 _register_text((1082, 1114, 1184), _cast)  # date, timestamp, timestamptz: ISO, AD, finite only
-_register_text((1700,), _cast)  # numeric -> decimal(p,s) or its exact text
+_register_text((1700,), _numeric_text)  # numeric -> decimal(p,s) or its exact text
 
 for _oid in STRING_OIDS:
     BINARY[_oid] = _cast  # the binary form of these types is their UTF-8 text

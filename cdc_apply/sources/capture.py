@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -11,6 +12,9 @@ from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.sources.raw import RawMessage
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
+MAX_XID = 2**64 - 1  # a FullTransactionId at most; pgoutput's are 32-bit
+
+log = logging.getLogger(__name__)
 
 
 def read_capture(path: str | Path) -> Iterator[RawMessage]:
@@ -21,28 +25,54 @@ def read_capture(path: str | Path) -> Iterator[RawMessage]:
 
 
 def read_captures(paths: Iterable[str | Path]) -> Iterator[RawMessage]:
+    """Every message of ``paths`` in order. An LSN lower than or equal to the one before is kept
+    (a capture may repeat a message the slot sent again) but warned about, once per file."""
+    previous: RawMessage | None = None
     for path in paths:
-        yield from read_capture(path)
+        warned = False
+        for raw in read_capture(path):
+            if previous is not None and raw.lsn < previous.lsn and not warned:
+                log.warning("%s: LSN %s goes back from %s at %s; the messages are applied in file order",
+                            raw.source, format_lsn(raw.lsn), format_lsn(previous.lsn), previous.source)
+                warned = True
+            previous = raw
+            yield raw
+
+
+def _xid(value: object) -> int | None:
+    """A capture's xid: null, or a whole number in range (never a float, bool or text)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_XID:
+        raise ValueError(f"xid must be a whole number from 0 to {MAX_XID} or null, got {str(value)[:40]!r}")
+    return value
 
 
 def _read_jsonl(path: Path) -> Iterator[RawMessage]:
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, "rb")
     except OSError as exc:
         raise CaptureError(f"{path}: cannot open capture: {exc.strerror}") from None
     with handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+        for number, raw_line in enumerate(handle, start=1):
             place = f"{path}:{number}"
             try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise CaptureError(f"{place}: not a capture line (not UTF-8 text at byte {exc.start} of the line; "
+                                   "is this a JSON Lines capture?)") from None
+            if not line.strip():
+                continue
+            try:
                 row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise TypeError(f"a JSON object per line, got {type(row).__name__}")
                 lsn = parse_lsn(row["lsn"])
                 data = bytes.fromhex(row["data"])
-                xid = row.get("xid")
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise CaptureError(f"{place}: not a capture line ({type(exc).__name__}: {exc})") from None
-            yield RawMessage(lsn, None if xid is None else int(xid), data, place)
+                xid = _xid(row.get("xid"))
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+                raise CaptureError(f"{place}: not a capture line ({type(exc).__name__}: {str(exc)[:200]})") from None
+            yield RawMessage(lsn, xid, data, place)
 
 
 def _read_parquet(path: Path) -> Iterator[RawMessage]:
@@ -55,13 +85,26 @@ def _read_parquet(path: Path) -> Iterator[RawMessage]:
     missing = {"lsn", "xid", "data"} - set(parquet.schema_arrow.names)
     if missing:
         raise CaptureError(f"{path}: Parquet capture lacks column(s) {', '.join(sorted(missing))}")
+    import pyarrow as pa
+
+    schema = parquet.schema_arrow
+    expected = {"lsn": (pa.types.is_string, pa.types.is_large_string), "xid": (pa.types.is_integer,),
+                "data": (pa.types.is_binary, pa.types.is_large_binary)}
+    for column, checks in expected.items():
+        kind = schema.field(column).type
+        if not any(check(kind) for check in checks):
+            raise CaptureError(f"{path}: Parquet capture column {column!r} is {kind}; "
+                               "expected lsn string, xid bigint, data binary")
     row_number = 0
     for batch in parquet.iter_batches(columns=["lsn", "xid", "data"]):
         for lsn_text, xid, data in zip(*(batch.column(i).to_pylist() for i in range(3)), strict=True):
             row_number += 1
             try:
                 lsn = parse_lsn(lsn_text)
-            except (ValueError, AttributeError) as exc:
+                xid = _xid(xid)
+                if data is None:
+                    raise ValueError("data is null")
+            except (ValueError, AttributeError, TypeError) as exc:
                 raise CaptureError(f"{path}: row {row_number}: {exc}") from None
             yield RawMessage(lsn, xid, bytes(data), f"{path}:row {row_number}")
 
