@@ -34,23 +34,24 @@ class TargetPathError(CdcApplyError):
     """A target location that would lie outside the warehouse."""
 
 
-_PLAIN_PATH_CHARACTERS = frozenset("_-$")
+# Path separators, the escape itself, and what Hadoop paths or globs read specially (":" makes a URI scheme).
+_ENCODED_PATH_CHARACTERS = frozenset('%/\\:*?[]{}#"<>|')
 
 
 def path_component(identifier: str) -> str:
     """A PostgreSQL identifier as one safe path component, injectively (docs/apply.md, "Target paths").
 
-    Letters, digits, ``_``, ``-``, ``$`` and a dot that is not the first character stay as they are,
-    so ``public`` and ``order_items`` keep their names; every other character, ``%`` included,
-    becomes ``%XX`` per UTF-8 byte. ``..`` becomes ``%2E.``, ``a/b`` becomes ``a%2Fb``.
+    Printable characters stay as they are, so ``public``, ``order_items`` and ``Mixed Case`` keep
+    their names; ``%``, path separators, characters Hadoop paths and globs read specially, anything
+    unprintable and a leading dot become ``%XX`` per UTF-8 byte: ``..`` becomes ``%2E.``, ``a/b``
+    becomes ``a%2Fb``.
     """
     out = []
     for position, character in enumerate(identifier):
-        if character.isalnum() and character.isprintable() or character in _PLAIN_PATH_CHARACTERS \
-                or (character == "." and position > 0):
-            out.append(character)
-        else:
+        if character in _ENCODED_PATH_CHARACTERS or not character.isprintable() or (character == "." and position == 0):
             out.append("".join(f"%{byte:02X}" for byte in character.encode("utf-8", "surrogatepass")))
+        else:
+            out.append(character)
     return "".join(out) or "%"
 
 
