@@ -53,6 +53,8 @@ def _apply(target: Target, action: TargetAction, types: dict[str, str]) -> None:
                               {quote(action.column): F.lit(action.value).cast(action.spark_type)})
     elif isinstance(action, WidenTargetColumn):
         if types.get(action.column) != action.spark_type:
+            _enable_feature(target, "delta.enableTypeWidening", "true", "typeWidening",
+                            f"column {action.column!r} widened to {action.spark_type}")
             spark.sql(f"ALTER TABLE {table} ALTER COLUMN {quote(action.column)} TYPE {action.spark_type}")
     elif isinstance(action, RenameTargetColumn):
         if action.old in types and action.new not in types:
@@ -67,7 +69,7 @@ def _apply(target: Target, action: TargetAction, types: dict[str, str]) -> None:
             from pyspark.sql import functions as F
 
             frame = target.read()
-            frame = frame.withColumn(action.column, F.col(quote(action.column)).cast(action.spark_type))
+            frame = frame.withColumn(action.column, _retyped(frame, action.column, action.spark_type))
             writer = frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
             if target.by_name:
                 writer.saveAsTable(target.location)
@@ -75,9 +77,36 @@ def _apply(target: Target, action: TargetAction, types: dict[str, str]) -> None:
                 writer.save(target.location)
 
 
+def _retyped(frame, column: str, spark_type: str):  # type: ignore[no-untyped-def]
+    """The column's values as ``spark_type``; an array becoming a string is written as PostgreSQL's
+    array literal (``{a,"b c",NULL}``), so rows written before the change read like rows after it."""
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    current = frame.schema[column].dataType
+    if spark_type == "string" and isinstance(current, T.ArrayType):
+        def element(x):  # type: ignore[no-untyped-def]
+            text = x.cast("string")
+            # Java regex and replacement syntax: r"\\" matches one backslash, r"\\\\" writes two.
+            escaped = F.regexp_replace(F.regexp_replace(text, r"\\", r"\\\\"), '"', r'\\"')
+            quoted = F.concat(F.lit('"'), escaped, F.lit('"'))
+            needs_quotes = (text == "") | (F.upper(text) == "NULL") | text.rlike(r'[{},"\\\s]')
+            return F.when(x.isNull(), F.lit("NULL")).when(needs_quotes, quoted).otherwise(text)
+
+        literal = F.concat(F.lit("{"), F.array_join(F.transform(F.col(quote(column)), element), ","), F.lit("}"))
+        return F.when(F.col(quote(column)).isNull(), F.lit(None).cast("string")).otherwise(literal)
+    return F.col(quote(column)).cast(spark_type)
+
+
 def _enable_column_mapping(target: Target) -> None:
-    if target.properties().get("delta.columnMapping.mode", "none") == "name":
+    _enable_feature(target, "delta.columnMapping.mode", "name", "columnMapping", "a column renamed or dropped")
+
+
+def _enable_feature(target: Target, prop: str, value: str, feature: str, because: str) -> None:
+    """Switch a reader-visible table feature on, once, at the first change that needs it; say so once."""
+    if target.properties().get(prop) == value:
         return
-    # Targets always carry table features (type widening), so the mode alone upgrades the protocol.
-    target.spark.sql(f"ALTER TABLE {target.sql} SET TBLPROPERTIES ('delta.columnMapping.mode' = 'name')")
+    target.spark.sql(f"ALTER TABLE {target.sql} SET TBLPROPERTIES ({sql_string(prop)} = {sql_string(value)})")
+    log.warning("%s: table feature %s switched on (%s); from now on a reader must support %s "
+                "(docs/apply.md, \"Readers and table features\")", target.location, feature, because, feature)
 

@@ -163,7 +163,10 @@ class Target:
                table_properties: Mapping[str, str]) -> None:
         columns = [(c.target, data_types[c.name]) for c in state.columns if c.target is not None]
         columns += metadata_columns(options)
-        properties = {"delta.enableTypeWidening": "true", **table_properties, **options.properties}
+        # No table feature a reader must support is switched on here: type widening and column mapping
+        # come at the first schema change that needs them (evolve.py), so a new target stays readable
+        # by delta-rs and other readers (docs/apply.md, "Readers and table features").
+        properties = {**table_properties, **options.properties}
         if any(needs_column_mapping(name) for name, _ in columns):
             properties.setdefault("delta.columnMapping.mode", "name")
         properties[SOURCE_PROPERTY] = state.to_json()
