@@ -1,4 +1,4 @@
-"""`cdc-apply replay` end to end in a subprocess: summary, idempotence, a table without a key."""
+"""`cdc-apply replay` end to end in a subprocess: summary, idempotence, a table without a key (insert-only)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ def test_replay_twice_applies_once_and_names_a_keyless_table(db18, tmp_path) -> 
 
     bad = tmp_path / "k.parquet"
     write_parquet(bad, keyless)
-    result = _cli("replay", str(bad), "--warehouse", str(warehouse))
-    assert result.returncode == 1 and "public.nokey: no usable key (replica identity default" in result.stderr
+    result = _cli("replay", str(bad), "--warehouse", str(warehouse))  # keyless: applied insert-only
+    assert result.returncode == 0 and "public.nokey" in result.stdout and "I        1" in result.stdout, result.stdout
+    assert "public.nokey: no primary key (replica identity default): applied insert-only" in result.stderr
 
     templated = tmp_path / "templated.yaml"
     templated.write_text(f"target:\n  warehouse: {tmp_path / 'wh2'}\n  path_template: 'cdc_{{schema}}__{{table}}'\n")

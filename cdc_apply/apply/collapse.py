@@ -90,6 +90,11 @@ class Collapser:
         if op == "T":
             self._truncate(TruncateMark(lsn, ts, row["truncate_options"] or 0))
             return
+        if op != "I" and not self._key_columns:
+            raise CdcApplyError(
+                f"{self.table}, LSN {format_lsn(lsn)} (transaction {row['xid']}, change {row['seq']}): an "
+                f"{'update' if op == 'U' else 'delete'} of a table without a key (applied insert-only); "
+                "set tables.<name>.keys in the config or give the table a primary key")
         new = _renamed(row["new"], column_map)
         full_old = _renamed(row["old"], column_map)
         identity = full_old or _renamed(row["key"], column_map)
@@ -161,6 +166,24 @@ class Collapser:
             state.from_target = tuple(renamed.get(name, name) for name in state.from_target)
         self._key_columns = tuple(renamed.get(name, name) for name in self._key_columns)
         self.result.key_columns = self._key_columns
+
+    @property
+    def key_columns(self) -> tuple[str, ...]:
+        return self._key_columns
+
+    def add_key(self, key_columns: tuple[str, ...]) -> None:
+        """An insert-only table got a key inside this batch: its rows so far are keyed by it (they
+        are unique on it, or PostgreSQL would have refused the key)."""
+        if self._key_columns:
+            raise CdcApplyError(f"{self.table}: key columns changed from {list(self._key_columns)} to "
+                                f"{list(key_columns)}; copy the table again (docs/apply.md)")
+        self._key_columns = key_columns
+        self.result.key_columns = key_columns
+        states = list(self.result.states.values())
+        self.result.states = {}
+        for state in states:
+            key = tuple(state.values.get(k) for k in key_columns)
+            self._set(key, state)
 
     def _key(self, image: Image | None, row: Mapping[str, Any], which: str) -> Key:
         try:

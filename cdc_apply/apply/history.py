@@ -39,6 +39,11 @@ class HistoryCollapser(Collapser):
         super().__init__(table, key_columns)
         self.timelines: dict[Key, Timeline] = {}
 
+    def add_key(self, key_columns: tuple[str, ...]) -> None:
+        timelines = list(self.timelines.values())
+        super().add_key(key_columns)
+        self.timelines = {tuple(t.entries[-1].values.get(k) for k in key_columns): t for t in timelines}
+
     def _set(self, key: Key, state: KeyState) -> None:
         super()._set(key, state)
         timeline = self.timelines.get(key)

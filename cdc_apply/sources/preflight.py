@@ -58,8 +58,10 @@ def check_source(conn: psycopg.Connection, source: SourceConfig,
                 "JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename WHERE p.pubname = %s",
                 (source.publication,)).fetchall():
             if identity == "d" and not has_key and not has_configured_keys(schema, table):
-                problems.append(f"table {schema}.{table} has REPLICA IDENTITY DEFAULT and no primary key: give it "
-                                f"a primary key, REPLICA IDENTITY FULL, or set tables.\"{schema}.{table}\".keys")
+                # Not a problem: PostgreSQL refuses UPDATE and DELETE on it while it is published.
+                log.info("table %s.%s has REPLICA IDENTITY DEFAULT and no primary key: it is applied insert-only "
+                         "(give it a primary key or REPLICA IDENTITY FULL to replicate updates and deletes)",
+                         schema, table)
     if problems:
         raise PreflightError("the source is not ready for logical replication:\n  - " + "\n  - ".join(problems))
 
