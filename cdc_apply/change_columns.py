@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from cdc_apply.assemble import Change, Transaction
-from cdc_apply.changes import RelationCodec, TableChanges, ColumnCodec, change_row, where_change
+from cdc_apply.change_codec import ColumnCodec, RelationCodec, Segment, change_row, where_change
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import pg_us_to_unix_us
 from cdc_apply.pgoutput import messages as m
@@ -49,7 +49,7 @@ class Image:
 class ParsedSegment:
     """A segment's row images parsed (not yet converted), with the columns every form shares."""
 
-    segment: TableChanges
+    segment: Segment
     wired: list[int]  # rows whose change holds message bytes (all but truncates)
     buf: np.ndarray
     key: Image | None  # None: every key image is the new row's
@@ -63,7 +63,7 @@ class ParsedSegment:
         return where_change(self.segment.transactions[index], self.segment.changes[index])
 
 
-def parse_segment(segment: TableChanges) -> ParsedSegment:
+def parse_segment(segment: Segment) -> ParsedSegment:
     """Every row change of ``segment`` must hold its message bytes (``from_stream``)."""
     changes = segment.changes
     count = len(changes)
@@ -87,7 +87,7 @@ def parse_segment(segment: TableChanges) -> ParsedSegment:
     return ParsedSegment(segment, wired, buf, key, old, new, take, common)
 
 
-def change_table(segment: TableChanges) -> pa.Table:
+def change_table(segment: Segment) -> pa.Table:
     """The segment's change rows with typed images; every row change must hold its message bytes."""
     parsed = parse_segment(segment)
     buf, take, where = parsed.buf, parsed.take, parsed.where
@@ -133,7 +133,7 @@ def _row_index(count: int, wired: list[int]) -> pa.Array:
     return pa.array(index, type=pa.int64())
 
 
-def parse_images(segment: TableChanges, wired: list[int]) -> tuple[np.ndarray, Image | None, Image, Image]:
+def parse_images(segment: Segment, wired: list[int]) -> tuple[np.ndarray, Image | None, Image, Image]:
     """(buffer, key image, old image, new image) of the wire-backed changes; the key image is None
     when every change's key comes from its new image."""
     changes: list[Change] = segment.changes if len(wired) == len(segment.changes) else [segment.changes[i] for i in wired]
@@ -188,7 +188,7 @@ def _image_from(spans: TupleSpans, rows: np.ndarray) -> Image:
                   spans.lengths.copy(), rows.copy())
 
 
-def _raise_scalar_error(segment: TableChanges, row: int) -> None:
+def _raise_scalar_error(segment: Segment, row: int) -> None:
     txn, change = segment.transactions[row], segment.changes[row]
     change_row(txn, change, segment.codec)  # raises the located decode or column-count error
     raise CdcApplyError(f"{where_change(txn, change)}: the columnar parse rejected a change the "
@@ -241,7 +241,7 @@ def _scalar_column(raw: pa.Array, kinds: np.ndarray, column: ColumnCodec, where:
         try:
             values.append(column.convert(int(kinds[row]), value))
         except (ValueConversionError, UnicodeDecodeError, ValueError) as exc:
-            raise CdcApplyError(f"{where(row)}: column {column.name!r} ({column.pg_type.name}): {exc}") from None
+            raise column.conversion_error(where(row), exc) from None
     try:
         return pa.array(values, type=column.arrow)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:

@@ -56,11 +56,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     from cdc_apply.apply import build_spark_session
+    from cdc_apply.apply.options import apply_options
     from cdc_apply.config import Config, load_config
     from cdc_apply.replay import print_summary, replay
 
     config = load_config(args.config) if args.config else Config()
-    options = config.apply_options()
+    options = apply_options(config)
     if args.warehouse:
         from dataclasses import replace
 

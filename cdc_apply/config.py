@@ -15,7 +15,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cdc_apply.apply.options import ApplyOptions, TableOptions
 from cdc_apply.errors import CdcApplyError
 
 
@@ -111,6 +110,12 @@ class SourceConfig(_Strict):
         return f"host={self.host} port={self.port} dbname={self.dbname} user={self.user}"
 
 
+class ColumnConfig(_Strict):
+    # "string": PostgreSQL's exact text, for values the mapped type cannot hold (NaN in numeric(p,s),
+    # a multi-dimensional array). An existing target column is rewritten to it (docs/apply.md).
+    type: Literal["string"]
+
+
 class TableConfig(_Strict):
     include: bool = True
     keys: list[str] | None = None
@@ -122,14 +127,7 @@ class TableConfig(_Strict):
     partition_by: list[str] = []
     properties: dict[str, str] = {}
     name: str | None = None  # catalog.schema.table instead of a path under the warehouse
-
-    def options(self) -> TableOptions:
-        return TableOptions(
-            keys=tuple(self.keys) if self.keys else None, delete_mode=self.delete_mode, scd_type=self.scd_type,
-            schema_policy=self.schema_policy, include=self.include,
-            columns_include=tuple(self.columns_include) if self.columns_include is not None else None,
-            columns_exclude=tuple(self.columns_exclude), partition_by=tuple(self.partition_by),
-            properties=dict(self.properties), name=self.name)
+    columns: dict[str, ColumnConfig] = {}
 
 
 class TargetConfig(_Strict):
@@ -203,13 +201,6 @@ class Config(_Strict):
     snapshot: SnapshotConfig = SnapshotConfig()
     stream: StreamConfig = StreamConfig()
     spark: dict[str, str] = {}
-
-    def apply_options(self) -> ApplyOptions:
-        return ApplyOptions(warehouse=self.target.warehouse, pipeline=self.pipeline,
-                            parallel_tables=self.batching.parallel_tables,
-                            path_template=self.target.path_template, name_template=self.target.name_template,
-                            tables={pattern: table.options() for pattern, table in self.tables.items()},
-                            defaults=self.defaults.options(), table_properties=dict(self.target.properties))
 
 
 MAX_ECHO_CHARS = 80

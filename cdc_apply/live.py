@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from cdc_apply.apply.batch import BatchApplier
+from cdc_apply.apply.options import apply_options
 from cdc_apply.assemble import Assembler, Transaction
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
@@ -55,7 +56,7 @@ class LiveReplicator:
     def __init__(self, config: Config, spark: SparkSession, stop: StopFlag) -> None:
         self.config = config
         self.stop = stop
-        self.applier = BatchApplier(spark, config.apply_options(), catalog=SourceCatalog(config.source.conninfo()))
+        self.applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(config.source.conninfo()).missing_value)
         self.snapshotter = Snapshotter(config, self.applier)
         self.summary = RunSummary()
         self.confirmed = 0

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
+from cdc_apply.apply.options import apply_options
 from cdc_apply.assemble import Assembler, Transaction
 from cdc_apply.config import Config
 from cdc_apply.lsn import format_lsn, parse_lsn, pg_us_to_unix_us
@@ -85,7 +86,7 @@ class StopFlag:
 
 
 def _has_configured_keys(config: Config) -> Callable[[str, str], bool]:
-    options = config.apply_options()
+    options = apply_options(config)
     return lambda schema, table: bool(options.for_table(schema, table).keys)
 
 
@@ -108,7 +109,7 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
     with psycopg.connect(source.conninfo(), autocommit=True) as conn:
         options = _prepare(conn, config)
         upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
-        applier = BatchApplier(spark, config.apply_options(), catalog=SourceCatalog(source.conninfo()))
+        applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(source.conninfo()).missing_value)
         snapshotter = Snapshotter(config, applier)
         summary.snapshots += snapshotter.sync()
         log.info("reading slot %s of %s up to %s", source.slot, source.describe(), format_lsn(upto))

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from cdc_apply.apply.foreach import foreach_batch
+from cdc_apply.spark.foreach import foreach_batch
 from cdc_apply.config import Config, SourceConfig
 from cdc_apply.pipeline import StopFlag
 

@@ -3,7 +3,7 @@
     spark-submit jobs/stream_changes.py --config conf/example.yaml
 
 The same as ``cdc-apply stream --config ...``: ``spark.readStream.format("pgoutput")`` ->
-``foreachBatch(cdc_apply.apply.foreach_batch(config))`` -> Delta, checkpointed.
+``foreachBatch(cdc_apply.spark.foreach_batch(config))`` -> Delta, checkpointed.
 """
 
 from __future__ import annotations

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from cdc_apply.apply.options import apply_options
 from cdc_apply.config import ConfigError, load_config, parse_config
 from tests.test_decode_cli import _cli
 
 
 def test_example_config_is_valid_and_maps_to_apply_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
     config = load_config("conf/example.yaml")
-    options = config.apply_options()
+    options = apply_options(config)
     assert options.pipeline == "orders_cdc"
     assert options.for_table("public", "orders").delete_mode == "soft"
     assert options.for_table("public", "audit_2024").include is False

@@ -16,7 +16,7 @@ import time
 import psycopg
 import pytest
 
-from cdc_apply.apply.foreach import foreach_batch
+from cdc_apply.spark.foreach import foreach_batch
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.config import parse_config
 from cdc_apply.lsn import parse_lsn

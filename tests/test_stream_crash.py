@@ -19,7 +19,7 @@ from cdc_apply.bench.load import Load, create_schema
 from tests.test_crash import Job, _assert_confirmed_is_durable, crash_config, kill_at_random_points
 from tests.test_live import assert_delta_equals_postgres
 
-READY = "cdc_apply.apply.foreach: batch"  # a job is killed only after its first micro-batch committed
+READY = "cdc_apply.spark.foreach: batch"  # a job is killed only after its first micro-batch committed
 
 
 def wait_until_delta_equals_postgres(spark, conn, warehouse: str, timeout: float) -> None:  # type: ignore[no-untyped-def]

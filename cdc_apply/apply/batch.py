@@ -20,15 +20,15 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from cdc_apply.apply.collapse import Collapser
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.history import HistoryCollapser, merge_history
-from cdc_apply.apply.merge import merge_collapsed
+from cdc_apply.apply.merge import ValueDoesNotFitError, merge_collapsed
 from cdc_apply.apply.options import ApplyOptions, TableOptions
 from cdc_apply.apply.schema import (
     BackfillTargetColumn, ColumnAdded, RenameTargetColumn, describe, diff, initial_columns, plan, relation_columns,
@@ -40,7 +40,7 @@ from cdc_apply.errors import CdcApplyError
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput import messages as m
-from cdc_apply.sources.catalog import SourceCatalog
+from cdc_apply.pgtypes import TypeCache
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -87,18 +87,30 @@ class BatchResult:
         return sum(sum(t.ops.values()) for t in self.tables if not t.skipped)
 
 
+class MissingValue(Protocol):
+    """What the backfill needs to know of a column added with a default (``sources.catalog`` gives it)."""
+
+    known: bool  # the catalog still holds the value (not a volatile default, no rewrite since)
+    text: str | None  # its text form; None for NULL
+    has_default: bool
+
+
+MissingValueLookup = Callable[[int, str], MissingValue]  # (relation OID, column) -> the value
+
+
 class BatchApplier:
     """Applies batches of committed transactions to Delta targets. One per pipeline run."""
 
     def __init__(self, spark: SparkSession, options: ApplyOptions, rows: ChangeRowBuilder | None = None,
-                 catalog: SourceCatalog | None = None) -> None:
-        """``catalog``: the live source, for backfilling ADD COLUMN ... DEFAULT (None: replay)."""
+                 missing_value: MissingValueLookup | None = None) -> None:
+        """``missing_value``: the live source's lookup of the value ``ADD COLUMN ... DEFAULT`` gave the
+        rows that existed before it, for the backfill (None when there is no live source: replay)."""
         self.spark = spark
-        self.catalog = catalog
+        self.missing_value = missing_value
         self._thread_sessions = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self.options = options
-        self.rows = rows or ChangeRowBuilder()
+        self.rows = rows or ChangeRowBuilder(TypeCache(column_types=options.column_type))
         self.registry = TargetRegistry(options.warehouse)
 
     def apply(self, transactions: Iterable[Transaction], *, snapshot: bool = False,
@@ -216,6 +228,8 @@ class BatchApplier:
                 state, renamed = self._evolve(target, state, segment, options, position, result, backfills)
                 if collapser is not None and renamed:
                     collapser.rename_columns(renamed)
+                if collapser is not None and state.keys != collapser.key_columns:
+                    collapser.add_key(state.keys)
             if collapser is None:
                 if options.scd_type == 2:
                     collapser = HistoryCollapser(qualified, state.keys)
@@ -245,14 +259,21 @@ class BatchApplier:
             metadata["truncate"] = {"lsn": format_lsn(collapsed.truncate.commit_lsn),
                                     "cascade": bool(collapsed.truncate.options & m.TRUNCATE_CASCADE),
                                     "restart_identity": bool(collapsed.truncate.options & m.TRUNCATE_RESTART_IDENTITY)}
-        if history:
-            if not state.keys:
-                raise TableConfigError(f"{qualified}: SCD type 2 needs a key; set tables.<name>.keys")
-            merge_history(target, collapser, data_types, state.keys, None if snapshot else app_id, version,
-                          json.dumps(metadata, sort_keys=True))
-        else:
-            merge_collapsed(target, collapsed, data_types, state.keys, options, None if snapshot else app_id,
-                            version, json.dumps(metadata, sort_keys=True), append=append)
+        try:
+            if history:
+                if not state.keys:
+                    raise TableConfigError(f"{qualified}: SCD type 2 needs a key; set tables.<name>.keys")
+                merge_history(target, collapser, data_types, state.keys, None if snapshot else app_id, version,
+                              json.dumps(metadata, sort_keys=True))
+            else:
+                merge_collapsed(target, collapsed, data_types, state.keys, options, None if snapshot else app_id,
+                                version, json.dumps(metadata, sort_keys=True), append=append)
+        except ValueDoesNotFitError as exc:
+            source = next((name for name, column in state.column_map().items() if column == exc.column), exc.column)
+            raise CdcApplyError(f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."
+                                f"{format_lsn(collapsed.last_lsn or 0)}): {exc}; to keep it, set "
+                                f"tables.\"{qualified}\".columns.\"{source}\".type: string in the config "
+                                "(docs/apply.md, \"Values a column's type cannot hold\")") from None
         result.ops = collapsed.op_counts
         result.keys_written = len(collapsed.states)
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn
@@ -278,11 +299,11 @@ class BatchApplier:
 
     def _backfills(self, relation: m.Relation, added: list[ColumnAdded], targets: dict[str, str | None],
                    options: TableOptions, lsn: int) -> list[BackfillTargetColumn]:
-        if not added or self.catalog is None or options.scd_type != 1:
+        if not added or self.missing_value is None or options.scd_type != 1:
             return []
         backfills = []
         for event in added:
-            missing = self.catalog.missing_value(relation.oid, event.column)
+            missing = self.missing_value(relation.oid, event.column)
             column = next(c for c in relation.columns if c.name == event.column)
             if missing.known and missing.text is not None:
                 value = self.rows.types.get(column.type_oid).from_text(missing.text, column.typmod)
@@ -292,6 +313,19 @@ class BatchApplier:
                             "table was rewritten since); rows that existed before keep NULL in the target. Delete "
                             "the target to copy the table again.", relation.namespace, relation.name, event.column)
         return backfills
+
+    @staticmethod
+    def _later_keys(state: SourceState, relation: m.Relation, options: TableOptions) -> tuple[str, ...]:
+        """An insert-only table whose Relation now carries a key (``ADD PRIMARY KEY``) is keyed from here on;
+        the rows it holds are unique on that key, or PostgreSQL would have refused it."""
+        if state.keys or options.keys or relation.replica_identity not in ("d", "i", "f"):
+            return state.keys
+        targets = state.column_map()
+        keys = tuple(targets.get(k) for k in relation.key_columns)
+        if not keys or any(k is None for k in keys):
+            return state.keys
+        log.info("%s.%s: now has key %s: applied keyed from here on", relation.namespace, relation.name, list(keys))
+        return keys  # type: ignore[return-value]
 
     @staticmethod
     def _keys(relation: m.Relation, options: TableOptions, columns: set[str]) -> tuple[str, ...]:
@@ -305,6 +339,12 @@ class BatchApplier:
         keys = tuple(k for k in relation.key_columns if k in columns)
         if relation.replica_identity == "n":
             return ()  # REPLICA IDENTITY NOTHING: the source allows inserts only
+        if not keys and relation.replica_identity == "d":
+            # PostgreSQL refuses UPDATE and DELETE on a published table without a replica identity
+            # key, so only inserts and truncates can arrive: the table is applied insert-only.
+            log.warning("%s: no primary key (replica identity default): applied insert-only, like REPLICA "
+                        "IDENTITY NOTHING; a key added later switches it to keyed apply", qualified)
+            return ()
         if not keys:
             raise TableConfigError(
                 f"{qualified}: no usable key (replica identity "
@@ -321,10 +361,17 @@ class BatchApplier:
         current = self._columns(segment.relation, options)
         events = diff(state.columns, current)
         if not events:
-            return state, {}
+            keys = self._later_keys(state, segment.relation, options)
+            if keys == state.keys:
+                return state, {}
+            keyed = SourceState(state.relation_oid, segment.relation.namespace, segment.relation.name, keys,
+                                state.columns, position)
+            apply_actions(target, [], keyed, format_lsn(position[0]))
+            return keyed, {}
         where = f"{segment.qualified_name} at LSN {format_lsn(position[0])}"
         data_types = target.data_types()
-        decided = plan(events, state.columns, current, data_types, options.schema_policy, where)
+        decided = plan(events, state.columns, current, data_types, options.schema_policy, where,
+                       retyped_by_config=frozenset(options.column_types))
         targets = {col.name: col.target for col in decided.columns}
         renamed_keys = {a.old for a in decided.actions if isinstance(a, RenameTargetColumn)}
         missing_keys = [k for k in state.keys if k not in targets.values() and k not in renamed_keys]
@@ -334,6 +381,7 @@ class BatchApplier:
         renamed = {a.old: a.new for a in decided.actions if isinstance(a, RenameTargetColumn)}
         new_state = SourceState(state.relation_oid, segment.relation.namespace, segment.relation.name,
                                 tuple(renamed.get(k, k) for k in state.keys), decided.columns, position)
+        new_state.keys = self._later_keys(new_state, segment.relation, options)
         added = [e for e in events if isinstance(e, ColumnAdded) and targets.get(e.column)]
         backfills += self._backfills(segment.relation, added, targets, options, position[0])
         apply_actions(target, [*decided.actions, *backfills], new_state, format_lsn(position[0]))

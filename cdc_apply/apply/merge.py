@@ -114,9 +114,17 @@ def _cast(name: str, value: Any, kind: pa.DataType, spark_type: str) -> Any:
         try:
             return pa.scalar(value).cast(kind).as_py()
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as exc:
-            raise CdcApplyError(f"column {name!r}: value {value!r} does not fit the target type {spark_type} "
-                                f"(multi-dimensional arrays need an array column of depth one: see docs/apply.md): "
-                                f"{exc}") from None
+            raise ValueDoesNotFitError(name, f"column {name!r}: value {str(value)[:80]} does not fit the target type "
+                                             f"{spark_type} (multi-dimensional arrays need an array column of depth "
+                                             f"one): {exc}") from None
+
+
+class ValueDoesNotFitError(CdcApplyError):
+    """A decoded value the target column's type cannot hold (a multi-dimensional array)."""
+
+    def __init__(self, column: str, message: str) -> None:
+        super().__init__(message)
+        self.column = column
 
 
 def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str],

@@ -11,9 +11,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from cdc_apply.errors import CdcApplyError
+
+if TYPE_CHECKING:
+    from cdc_apply.config import Config, TableConfig
 
 DeleteMode = Literal["hard", "soft"]
 SchemaPolicy = Literal["evolve", "lenient", "ignore", "fail"]
@@ -67,6 +70,7 @@ class TableOptions:
     partition_by: tuple[str, ...] = ()
     properties: Mapping[str, str] = field(default_factory=dict)
     name: str | None = None  # a metastore name (catalog.schema.table) instead of a path
+    column_types: Mapping[str, str] = field(default_factory=dict)  # source column -> "string" (its exact text)
 
     def keeps_column(self, column: str) -> bool:
         if column in self.columns_exclude:
@@ -103,9 +107,33 @@ class ApplyOptions:
                                   f"which is not under the warehouse {warehouse}")
         return str(Path(self.warehouse) / relative), False
 
+    def column_type(self, schema: str, table: str, column: str) -> str | None:
+        """The type the config sets for a source column (``tables.<t>.columns.<c>.type``), or None."""
+        return self.for_table(schema, table).column_types.get(column)
+
     def for_table(self, schema: str, table: str) -> TableOptions:
         qualified = f"{schema}.{table}"
         for pattern, options in self.tables.items():
             if fnmatch.fnmatchcase(qualified, pattern):
                 return options
         return self.defaults
+
+
+def table_options(table: TableConfig) -> TableOptions:
+    """A config's per-table section as the apply's options."""
+    return TableOptions(
+        keys=tuple(table.keys) if table.keys else None, delete_mode=table.delete_mode, scd_type=table.scd_type,
+        schema_policy=table.schema_policy, include=table.include,
+        columns_include=tuple(table.columns_include) if table.columns_include is not None else None,
+        columns_exclude=tuple(table.columns_exclude), partition_by=tuple(table.partition_by),
+        properties=dict(table.properties), name=table.name,
+        column_types={name: column.type for name, column in table.columns.items()})
+
+
+def apply_options(config: Config) -> ApplyOptions:
+    """What the apply needs of a validated config."""
+    return ApplyOptions(warehouse=config.target.warehouse, pipeline=config.pipeline,
+                        parallel_tables=config.batching.parallel_tables,
+                        path_template=config.target.path_template, name_template=config.target.name_template,
+                        tables={pattern: table_options(table) for pattern, table in config.tables.items()},
+                        defaults=table_options(config.defaults), table_properties=dict(config.target.properties))

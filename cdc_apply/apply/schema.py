@@ -129,7 +129,8 @@ def is_widening(old: str, new: str) -> bool:
 
 def relation_columns(relation: m.Relation, types: TypeCache) -> list[tuple[str, str]]:
     """(name, Spark type) of every column of a Relation message."""
-    return [(col.name, types.get(col.type_oid).spark_type(col.typmod)) for col in relation.columns]
+    return [(col.name, types.for_column(relation.namespace, relation.name, col.name, col.type_oid).spark_type(col.typmod))
+            for col in relation.columns]
 
 
 def diff(previous: Sequence[SourceColumn], current: Sequence[tuple[str, str]]) -> list[SchemaEvent]:
@@ -192,11 +193,13 @@ class Plan:
 
 
 def plan(events: Sequence[SchemaEvent], previous: Sequence[SourceColumn], current: Sequence[tuple[str, str]],
-         target_types: dict[str, str], policy: str, where: str) -> Plan:
+         target_types: dict[str, str], policy: str, where: str,
+         retyped_by_config: frozenset[str] = frozenset()) -> Plan:
     """Decide the target actions for ``events`` under ``policy``.
 
     ``target_types`` is the target's current data columns (name -> Spark type); ``where`` names the
-    table and LSN for errors.
+    table and LSN for errors. A type change of a column in ``retyped_by_config`` (the config maps it
+    to ``string``) rewrites the target column in place under every policy: the user asked for it.
     """
     targets = {col.name: col.target for col in previous}
     actions: list[TargetAction] = []
@@ -220,6 +223,8 @@ def plan(events: Sequence[SchemaEvent], previous: Sequence[SourceColumn], curren
                 continue
             if event.widening:
                 actions.append(WidenTargetColumn(target, event.new_type))
+            elif event.column in retyped_by_config:
+                actions.append(RetypeTargetColumn(target, event.new_type))
             elif policy == "fail":
                 refuse(event)
             elif policy == "evolve":

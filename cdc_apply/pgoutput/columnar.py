@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from cdc_apply.bigendian import read_uint
 from cdc_apply.pgoutput import messages as m
 
 
@@ -35,15 +36,6 @@ class TupleSpans:
 
     def take(self, rows: np.ndarray) -> TupleSpans:
         return TupleSpans(self.kinds[rows], self.starts[rows], self.lengths[rows], self.end[rows], self.bad[rows])
-
-
-def read_uint(buf: np.ndarray, positions: np.ndarray, width: int) -> np.ndarray:
-    """Big-endian unsigned ints of ``width`` bytes at ``positions`` (callers check the bounds)."""
-    safe = np.clip(positions, 0, max(len(buf) - width, 0))
-    value = np.zeros(len(positions), dtype=np.int64)
-    for offset in range(width):
-        value = (value << 8) | buf[safe + offset].astype(np.int64)
-    return value
 
 
 def parse_tuples(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, columns: int) -> TupleSpans:

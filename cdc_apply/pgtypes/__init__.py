@@ -18,17 +18,30 @@ from cdc_apply.pgtypes.ranges import register_range_types
 from cdc_apply.pgtypes.registry import (
     PgType, UnrepresentableValueError, ValueConversionError, lookup, registered,
 )
+from cdc_apply.pgtypes.exact_text import exact_text_type
 from cdc_apply.pgtypes.text import custom_type
 
 register_range_types()
 register_array_types()
 
 
-class TypeCache:
-    """Built-in types plus the custom types this stream's Type messages named."""
+ColumnTypeOverride = Callable[[str, str, str], "str | None"]  # (schema, table, column) -> "string" or None
 
-    def __init__(self) -> None:
+
+class TypeCache:
+    """Built-in types plus the custom types this stream's Type messages named, and the columns the
+    config maps to another type (``column_types``: schema, table, column -> ``"string"`` or None)."""
+
+    def __init__(self, column_types: ColumnTypeOverride | None = None) -> None:
         self.custom: dict[int, PgType] = {}
+        self.column_types = column_types
+
+    def for_column(self, namespace: str, table: str, name: str, type_oid: int) -> PgType:
+        """The type a column's values are converted with: its own, or PostgreSQL's exact text."""
+        pg_type = self.get(type_oid)
+        if self.column_types is not None and self.column_types(namespace, table, name) == "string":
+            return exact_text_type(pg_type)
+        return pg_type
 
     def add(self, oid: int, namespace: str, name: str) -> PgType:
         qualified = f"{namespace}.{name}" if namespace else name

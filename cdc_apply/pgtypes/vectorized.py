@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cdc_apply.lsn import PG_EPOCH_OFFSET_US
-from cdc_apply.pgoutput.columnar import read_uint
+from cdc_apply.bigendian import read_uint
 from cdc_apply.pgtypes.datetime import (
     DATE_NEG_INFINITY, DATE_POS_INFINITY, PG_EPOCH_DAYS, TIMESTAMP_NEG_INFINITY, TIMESTAMP_POS_INFINITY,
 )

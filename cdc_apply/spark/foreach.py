@@ -28,6 +28,7 @@ from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import decode_message
 from cdc_apply.pipeline import RunSummary
+from cdc_apply.apply.options import apply_options
 from cdc_apply.sources.catalog import SourceCatalog
 
 if TYPE_CHECKING:
@@ -49,8 +50,8 @@ def foreach_batch(config: Config | str | Path) -> Callable[[DataFrame, int], Non
         spark = frame.sparkSession
         query_id = streaming_query_id(spark)
         if not appliers:
-            appliers.append(BatchApplier(spark, settings.apply_options(),
-                                         catalog=SourceCatalog(settings.source.conninfo())))
+            appliers.append(BatchApplier(spark, apply_options(settings),
+                                         missing_value=SourceCatalog(settings.source.conninfo()).missing_value))
         applier = appliers[0]
         transactions = transactions_from_rows(frame.select(*APPLY_COLUMNS).toArrow())
         result = applier.apply(transactions, stream_batch=(query_id, batch_id))

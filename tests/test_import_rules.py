@@ -1,0 +1,87 @@
+"""The import rules of docs/architecture.md, checked on the source: every import counts, also one
+inside a function or under TYPE_CHECKING."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "cdc_apply"
+RUNNERS = {"cdc_apply.pipeline", "cdc_apply.live", "cdc_apply.replay", "cdc_apply.cli", "cdc_apply.airflow",
+           "cdc_apply.demo", "cdc_apply.stream_job", "cdc_apply.decode_cli", "cdc_apply.snapshot"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> every cdc_apply module or third-party top-level package it imports."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                found.add(base)
+                found |= {f"{base}.{alias.name}" for alias in node.names}
+        graph[module] = found
+    modules = set(graph)
+    return {m: {i for i in imports if i in modules or not i.startswith("cdc_apply")} for m, imports in graph.items()}
+
+
+GRAPH = _imports()
+
+
+def _violations(source_prefix: str, target_prefixes: tuple[str, ...] | set[str]) -> list[str]:
+    return sorted(f"{m} -> {i}" for m, imports in GRAPH.items() if m == source_prefix or m.startswith(source_prefix + ".")
+                  for i in imports if any(i == t or i.startswith(t + ".") for t in target_prefixes))
+
+
+@pytest.mark.parametrize("source,targets", [
+    ("cdc_apply.apply", ("cdc_apply.sources",)),
+    ("cdc_apply.apply", tuple(RUNNERS)),
+    ("cdc_apply.config", ("cdc_apply.apply",)),
+    ("cdc_apply.pgtypes", ("cdc_apply.pgoutput",)),
+    ("cdc_apply.pgoutput", ("pyspark", "delta")),
+    ("cdc_apply.pgtypes", ("pyspark", "delta")),
+    ("cdc_apply.assemble", ("pyspark", "delta")),
+])
+def test_forbidden_imports(source: str, targets: tuple[str, ...]) -> None:
+    assert _violations(source, targets) == []
+
+
+def test_no_import_cycle_among_cdc_apply_modules() -> None:
+    internal = {m: {i for i in imports if i in GRAPH and i != m} for m, imports in GRAPH.items()}
+    # A package's __init__ importing its own submodules is not a cycle of logic: leave those edges out.
+    for module, imports in internal.items():
+        internal[module] = {i for i in imports if not (i.startswith(module + ".") and
+                                                       (PACKAGE.parent / module.replace(".", "/")).is_dir())}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(internal[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(internal):
+        if module not in state:
+            visit(module)
+    assert cycles == []

@@ -1,0 +1,65 @@
+"""Values a column's mapped type cannot hold (NaN in numeric(p,s), a 2-D array): the error names the
+config key that keeps them, committed data stays, and with ``columns.<c>.type: string`` the
+pipeline carries on, the existing target column rewritten to PostgreSQL's exact text."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from cdc_apply.config import parse_config
+from cdc_apply.errors import CdcApplyError
+from cdc_apply.pgtypes import TypeCache
+from cdc_apply.pipeline import drain
+from tests.delta_oracle import delta_rows, source_types
+from tests.reference_apply import postgres_rows
+
+COLUMNS = ["id", "amount", "tags"]
+
+
+def _config(server, dbname: str, warehouse: str, overrides: dict[str, object] | None = None):  # type: ignore[no-untyped-def]
+    tables = {"public.m": {"columns": overrides}} if overrides else {}
+    return parse_config({"pipeline": "ov", "source": {"dsn": server.conninfo(dbname), "slot": "ov",
+                                                      "create_publication": True},
+                         "target": {"warehouse": warehouse}, "tables": tables})
+
+
+@pytest.mark.spark
+def test_nan_and_2d_arrays_are_kept_as_text_once_the_config_says_so(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server, dbname = db18
+    warehouse = str(tmp_path / "wh")
+    path = f"{warehouse}/public/m"
+    plain = _config(server, dbname, warehouse)
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute("CREATE TABLE m (id int PRIMARY KEY, amount numeric(5,2), tags text[])")
+        drain(plain, spark)
+        conn.execute("""INSERT INTO m VALUES (1, 1.50, '{a,b}'), (2, -0.01, '{"x y",NULL,"q\\"uote",""}'),
+                        (5, NULL, NULL)""")
+        drain(plain, spark)
+        assert delta_rows(spark, path, COLUMNS, source_types(conn, "public.m")) == \
+            postgres_rows(conn, "public.m", COLUMNS)
+
+        conn.execute("INSERT INTO m VALUES (3, 'NaN', '{c}')")
+        with pytest.raises(CdcApplyError) as raised:
+            drain(plain, spark)
+        assert 'column \'amount\' (numeric): numeric value NaN does not fit' in str(raised.value)
+        assert 'set tables."public.m".columns."amount".type: string in the config' in str(raised.value)
+        assert spark.read.format("delta").load(path).count() == 3  # what was committed stays
+
+        kept = _config(server, dbname, warehouse, {"amount": {"type": "string"}, "tags": {"type": "string"}})
+        drain(kept, spark)  # the failed batch again: the columns are rewritten as text, then it applies
+        conn.execute("INSERT INTO m VALUES (4, 'Infinity', '{{1,2},{3,4}}')")
+        conn.execute("UPDATE m SET amount = 2.25, tags = '{{\"a b\"},{NULL}}' WHERE id = 1")
+        drain(kept, spark)
+        types = spark.read.format("delta").load(path).schema
+        assert types["amount"].dataType.simpleString() == "string" and types["tags"].dataType.simpleString() == "string"
+        text = TypeCache().get(25)
+        as_text = {"id": source_types(conn, "public.m")["id"], "amount": text, "tags": text}
+        assert delta_rows(spark, path, COLUMNS, as_text) == postgres_rows(conn, "public.m", COLUMNS)
+
+
+def test_column_type_override_is_validated() -> None:
+    from cdc_apply.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r'tables."public.m".columns.amount.type: must be one of'):
+        parse_config({"tables": {"public.m": {"columns": {"amount": {"type": "decimal"}}}}})
