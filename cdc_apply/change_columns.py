@@ -1,7 +1,7 @@
 """Change rows of one table segment as Arrow, built a column at a time.
 
-The contract is ``changes.change_row``'s (DESIGN.md change rows); this builder must give the
-same table (tests/test_columnar.py compares them on real captures). The row images of every
+The contract is ``change_codec.change_row``'s (docs/architecture.md); this builder must give the
+same table (tests/test_golden_capture.py and tests/test_type_roundtrip.py compare them on real captures, tests/test_columnar_fuzz.py on mutated ones). The row images of every
 change are parsed together (``pgoutput/columnar.py``) and each image column is converted by
 one vector converter (``pgtypes/vectorized.py``), falling back to the type's scalar converter
 for a column the vector one declines.

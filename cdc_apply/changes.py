@@ -3,7 +3,7 @@
 A table's changes are split into segments at each new Relation definition, so every segment has
 one fixed image type; segments of one table come out in stream order.
 
-Two builders give the same rows (tests/test_columnar.py holds them equal): ``change_row``
+Two builders give the same rows (tests/test_golden_capture.py, test_type_roundtrip.py and test_columnar_fuzz.py hold them equal): ``change_row``
 converts change by change (the reference, and the path for snapshot chunks, whose images are
 already decoded), and ``change_columns.change_table`` converts a whole column at a time (the
 path for everything read from the stream). ``TableChanges.rows`` are the Arrow rows as Python

@@ -54,6 +54,11 @@ def table_totals(results: Sequence[BatchResult]) -> tuple[dict[str, dict[str, in
 
 def print_summary(results: Sequence[BatchResult], out: TextIO) -> None:
     totals, skipped = table_totals(results)
+    side_columns: dict[str, dict[str, str]] = {}
+    for batch in results:
+        for table in batch.tables:
+            if table.side_columns:
+                side_columns[table.table] = table.side_columns
     lsns = [b.first_lsn for b in results if b.first_lsn] + [b.last_lsn for b in results if b.last_lsn]
     seconds = sum(b.seconds for b in results)
     changes = sum(b.changes for b in results)
@@ -65,3 +70,6 @@ def print_summary(results: Sequence[BatchResult], out: TextIO) -> None:
         out.write(f"  {table:30s} I {counts['I']:>8} U {counts['U']:>8} D {counts['D']:>8} T {counts['T']:>3} "
                   f"keys merged {counts['keys']:>8}"
                   + (f"  (already applied in {skipped[table]} batch(es): skipped)" if table in skipped else "") + "\n")
+        if table in side_columns:
+            moved = ", ".join(f"{source} -> {column}" for source, column in sorted(side_columns[table].items()))
+            out.write(f"    {'':30s}source columns written to other target columns: {moved} (docs/apply.md)\n")

@@ -72,6 +72,8 @@ class Snapshotter:
         if not tables:
             return []
         with ExportedSnapshot(conninfo) as snapshot:
+            in_snapshot = {t.relation.oid: t for t in snapshot.published_tables(self.config.source.publication)}
+            tables = [in_snapshot[t.relation.oid] for t in tables if t.relation.oid in in_snapshot]
             log.info("initial snapshot of %d table(s) at consistent point %s", len(tables),
                      format_lsn(snapshot.consistent_lsn))
             return [self._copy(snapshot, table, estimates.get(table.relation.oid)) for table in tables]

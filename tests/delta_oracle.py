@@ -110,7 +110,7 @@ def delta_rs_rows(path: str, columns: list[str], types: dict[str, PgType],
     if unreadable:
         delta_rs_left_out[path] = unreadable
         return None
-    table = DeltaTable(path).scan(columns=columns, predicate=where).read_all()
+    table = pa.RecordBatchReader.from_stream(DeltaTable(path).scan(columns=columns, predicate=where)).read_all()
     if table.num_rows == 0:
         return []
     table = table.combine_chunks()

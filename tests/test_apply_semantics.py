@@ -3,6 +3,8 @@ table rename, partitions (root on and off), delete modes and schema policies."""
 
 from __future__ import annotations
 
+import io
+
 import psycopg
 import pytest
 
@@ -10,7 +12,7 @@ from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import ApplyOptions, TableOptions
 from cdc_apply.assemble import Assembler
 from cdc_apply.apply.schema import SchemaPolicyError
-from cdc_apply.replay import replay
+from cdc_apply.replay import print_summary, replay
 from cdc_apply.sources.capture import read_captures, write_jsonl
 from cdc_apply.sources.slot import PgOutputOptions, create_slot
 from tests.apply_workloads import LEAF_TABLES, ROOT_TABLES, run_apply_workload
@@ -68,7 +70,12 @@ def test_one_batch_per_transaction_gives_the_same_tables(workload, spark, tmp_pa
 def test_lenient_policy_keeps_dropped_and_renamed_columns(workload, spark, tmp_path):  # type: ignore[no-untyped-def]
     captures, truth, types = workload
     warehouse = str(tmp_path / "wh")
-    replay(spark, [captures[("s_root", False)]], ApplyOptions(warehouse=warehouse))
+    results = replay(spark, [captures[("s_root", False)]], ApplyOptions(warehouse=warehouse))
+    summary = io.StringIO()
+    print_summary(results, summary)
+    assert "source columns written to other target columns: e -> e__string" in summary.getvalue()
+    history = spark.sql(f"DESCRIBE HISTORY delta.`{warehouse}/public/evolving`").collect()
+    assert any('"side_columns": {"e": "e__string"}' in (h.userMetadata or "") for h in history)
     frame = spark.read.format("delta").load(f"{warehouse}/public/evolving")
     columns = [f.name for f in frame.schema.fields]
     assert columns[:5] == ["id", "a", "b", "c", "d"] and {"b2", "e", "e__string"} <= set(columns)

@@ -214,6 +214,8 @@ def test_binary_array_with_a_zero_dimension_is_empty_without_building_anything()
     ([h.begin(), h.relation([(1, "id", 23, -1), (0, "id", 23, -1)]), h.insert([b"1", b"2"]), h.commit()],
      "message 'R', byte offset 29: column name 'id' appears twice"),
     ([h.begin(), h.relation([(0, f"c{i}", 23, -1) for i in range(1601)])], "column count 1601 is outside 0..1600"),
+    ([h.begin(), h.relation([(1, "id", 23, -1)]), h.insert([b"1"]), b"C\x00" + struct.pack("!QQq", 2**64 - 1, 8, 0)],
+     "message 'C', byte offset 2: commit LSN 0xffffffffffffffff is past any WAL position"),
     # Stream Start, Relation, a Stream Abort of the top-level xid inside the block, then an Insert.
     ([b"S" + struct.pack("!IB", 900, 1), b"R" + struct.pack("!I", 900) + h.relation([(1, "id", 23, -1)])[1:],
       b"A" + struct.pack("!II", 900, 900), b"I" + struct.pack("!I", 900) + h.insert([b"1"])[1:]],

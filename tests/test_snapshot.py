@@ -112,3 +112,42 @@ def test_a_partitioned_table_published_via_its_root_is_copied_whole(db18, spark,
         truth = postgres_rows(conn, "public.m", columns)
         got = delta_rows(spark, f"{warehouse}/public/m", columns, source_types(conn, "public.m"))
         assert got == truth and len(got) == 91
+
+
+def test_a_column_added_while_the_export_waits_is_copied(any_db, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The copy's column list is read inside the exported snapshot: an ADD COLUMN that commits while
+    the export waits for a running transaction is in the snapshot, and its values are copied (the
+    ADD COLUMN DEFAULT backfill must not write the default over them)."""
+    import threading
+
+    from cdc_apply.sources.slot import create_slot
+
+    server, dbname = any_db
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    config = parse_config({"pipeline": "race", "source": {"dsn": conninfo, "slot": "race", "publication": "p"},
+                           "target": {"warehouse": warehouse}})
+    with psycopg.connect(conninfo, autocommit=True) as conn, psycopg.connect(conninfo) as holder:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        conn.execute("CREATE TABLE other (id int)")
+        conn.execute("INSERT INTO t VALUES (1, 'a'), (2, 'b')")
+        conn.execute("CREATE PUBLICATION p FOR TABLE t")
+        create_slot(conn, "race")
+        holder.execute("INSERT INTO other VALUES (1)")  # a running transaction with an xid: the export waits
+        result: list[object] = []
+        copying = threading.Thread(target=lambda: result.append(drain(config, spark)), daemon=True)
+        copying.start()
+        deadline = time.monotonic() + 60
+        while not conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name LIKE 'cdc_apply_snapshot_%'"
+                               ).fetchone():
+            assert time.monotonic() < deadline and copying.is_alive()
+            time.sleep(0.1)
+        conn.execute("ALTER TABLE t ADD COLUMN c text NOT NULL DEFAULT 'd', ADD COLUMN c2 text")
+        conn.execute("UPDATE t SET c = 'x', c2 = 'y' WHERE id = 1")
+        holder.commit()
+        copying.join(120)
+        assert result and not copying.is_alive()
+        drain(config, spark)
+        columns = ["id", "v", "c", "c2"]
+        assert delta_rows(spark, f"{warehouse}/public/t", columns, source_types(conn, "public.t")) == \
+            postgres_rows(conn, "public.t", columns) == [("1", "a", "x", "y"), ("2", "b", "d", None)]

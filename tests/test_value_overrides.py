@@ -36,8 +36,10 @@ def test_nan_and_2d_arrays_are_kept_as_text_once_the_config_says_so(db18, spark,
         conn.execute("""INSERT INTO m VALUES (1, 1.50, '{a,b}'), (2, -0.01, '{"x y",NULL,"q\\"uote",""}'),
                         (5, NULL, NULL)""")
         drain(plain, spark)
-        assert delta_rows(spark, path, COLUMNS, source_types(conn, "public.m")) == \
-            postgres_rows(conn, "public.m", COLUMNS)
+        assert delta_rows(spark, path, ["id", "amount"], source_types(conn, "public.m")) == \
+            postgres_rows(conn, "public.m", ["id", "amount"])
+        arrays = {r.id: r.tags for r in spark.read.format("delta").load(path).collect()}
+        assert arrays == {1: ["a", "b"], 2: ["x y", None, 'q"uote', ""], 5: None}
 
         conn.execute("INSERT INTO m VALUES (3, 'NaN', '{c}')")
         with pytest.raises(CdcApplyError) as raised:
@@ -48,7 +50,7 @@ def test_nan_and_2d_arrays_are_kept_as_text_once_the_config_says_so(db18, spark,
 
         kept = _config(server, dbname, warehouse, {"amount": {"type": "string"}, "tags": {"type": "string"}})
         drain(kept, spark)  # the failed batch again: the columns are rewritten as text, then it applies
-        conn.execute("INSERT INTO m VALUES (4, 'Infinity', '{{1,2},{3,4}}')")
+        conn.execute("INSERT INTO m VALUES (4, 'NaN', '{{1,2},{3,4}}')")
         conn.execute("UPDATE m SET amount = 2.25, tags = '{{\"a b\"},{NULL}}' WHERE id = 1")
         drain(kept, spark)
         types = spark.read.format("delta").load(path).schema

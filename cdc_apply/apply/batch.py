@@ -61,6 +61,9 @@ class TableResult:
     first_lsn: int | None = None
     last_lsn: int | None = None
     schema_changes: list[str] = field(default_factory=list)
+    # source column -> the target column it now feeds, where they differ (a lenient retype's
+    # ``d__int``, a case clash): readers find a column's current values there
+    side_columns: dict[str, str] = field(default_factory=dict)
     skipped: bool = False  # already applied (exactly once)
     seconds: float = 0.0
 
@@ -255,6 +258,10 @@ class BatchApplier:
         metadata = {"cdc_apply": write, "pipeline": self.options.pipeline, "relation_oid": oid, "source": qualified,
                     "first_lsn": format_lsn(collapsed.first_lsn or 0), "last_lsn": format_lsn(collapsed.last_lsn or 0),
                     "ops": dict(collapsed.op_counts)}
+        result.side_columns = {source: column for source, column in state.column_map().items()
+                               if column is not None and column != source}
+        if result.side_columns:
+            metadata["side_columns"] = result.side_columns
         if collapsed.truncate is not None:
             metadata["truncate"] = {"lsn": format_lsn(collapsed.truncate.commit_lsn),
                                     "cascade": bool(collapsed.truncate.options & m.TRUNCATE_CASCADE),

@@ -1,6 +1,6 @@
 """Change rows of one table, in (commit_lsn, seq) order -> the final state per key.
 
-Invariants (DESIGN.md "Semantics that must hold"):
+Invariants (docs/architecture.md, "Invariants"):
 - The result holds one entry per key: the last state of that key in the batch, an upsert or a delete.
 - An update whose old key differs from its new key leaves a delete for the old key.
 - A column sent as unchanged TOAST ('u') never becomes a placeholder: its value is taken from the

@@ -10,6 +10,7 @@ _INT16 = struct.Struct("!h")
 _INT32 = struct.Struct("!i")
 _UINT32 = struct.Struct("!I")
 _INT64 = struct.Struct("!q")
+MAX_LSN = 2**63 - 1
 _UINT64 = struct.Struct("!Q")
 
 
@@ -67,9 +68,12 @@ class Reader:
         return value
 
     def uint64(self, what: str) -> int:
-        """LSNs are unsigned 64-bit."""
+        """LSNs are unsigned 64-bit on the wire, but no WAL position reaches 2^63, and Delta's
+        transaction versions (which hold commit LSNs) are signed: refuse one past it."""
         self.need(8, what)
         (value,) = _UINT64.unpack_from(self.data, self.pos)
+        if value > MAX_LSN:
+            raise self.fail(f"{what} {value:#x} is past any WAL position (2^63 - 1)")
         self.pos += 8
         return value
 

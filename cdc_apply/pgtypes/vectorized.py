@@ -1,7 +1,7 @@
 """Vectorised converters by type OID: a whole column of raw values -> one Arrow array.
 
 Invariant: a vector converter gives exactly what the type's scalar converter (``PgType.from_text``
-/ ``from_binary``) gives, value for value (tests/test_columnar.py checks it on real captures).
+/ ``from_binary``) gives, value for value (tests/test_golden_capture.py and tests/test_type_roundtrip.py check it on real captures).
 It covers only the grammar PostgreSQL prints for ordinary values; on anything else (BC dates,
 infinities, NaN in a decimal, a wrong binary width) it raises ``VectorFallback`` or an Arrow
 error, and the caller converts that column with the scalar converter instead, which applies the

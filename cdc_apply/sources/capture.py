@@ -1,4 +1,4 @@
-"""Capture files (DESIGN.md): JSON Lines or Parquet with columns lsn (X/Y), xid, data (hex / binary)."""
+"""Capture files (README, "Capture files"): JSON Lines or Parquet with columns lsn (X/Y), xid, data (hex / binary)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ streamed later are judged against one schema.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -77,13 +78,7 @@ class ExportedSnapshot:
                                                       sql.Identifier(relation.namespace, relation.name))
         if table.row_filter:
             query = sql.SQL("{} WHERE {}").format(query, sql.SQL(table.row_filter))  # type: ignore[arg-type]
-        with psycopg.connect(self.conninfo) as conn:
-            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            try:
-                conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.name)))
-            except psycopg.errors.UndefinedObject:
-                raise SnapshotLost(f"the exported snapshot {self.name} of temporary slot {self.slot} is gone "
-                                   f"(its connection ended) before {table.qualified_name} was copied") from None
+        with self._inside(f"{table.qualified_name} was copied") as conn:
             with conn.cursor().copy(sql.SQL("COPY ({}) TO STDOUT").format(query)) as copy:
                 chunk: list[m.TupleData] = []
                 for row in copy.rows():
@@ -93,7 +88,28 @@ class ExportedSnapshot:
                         chunk = []
                 if chunk:
                     yield chunk
-            conn.rollback()
+
+    def published_tables(self, publication: str) -> list[PublishedTable]:
+        """The publication's tables as the snapshot sees them. Creating the export waits for running
+        transactions, so a column added meanwhile is in the snapshot's rows: the copy must select it,
+        or the ADD COLUMN's Relation later looks new and its default overwrites the copied values."""
+        with self._inside(f"the publication {publication} was described") as conn:
+            return published_tables(conn, publication)
+
+    @contextmanager
+    def _inside(self, before: str) -> Iterator[psycopg.Connection]:
+        """A read-only transaction that sees exactly the exported snapshot."""
+        with psycopg.connect(self.conninfo) as conn:
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            try:
+                conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.name)))
+            except psycopg.errors.UndefinedObject:
+                raise SnapshotLost(f"the exported snapshot {self.name} of temporary slot {self.slot} is gone "
+                                   f"(its connection ended) before {before}") from None
+            try:
+                yield conn
+            finally:
+                conn.rollback()
 
 
 def _tuple(row: tuple[object, ...]) -> m.TupleData:
