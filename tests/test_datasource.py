@@ -252,3 +252,57 @@ def test_the_stream_checkpoint_defaults_under_the_warehouse(tmp_path) -> None:  
     config = _stream_config("host=x", str(tmp_path / "wh"))
     assert checkpoint_location(config) == str(tmp_path / "wh" / "_cdc_apply" / "checkpoints" / "ds")
     assert parse_config({"stream": {"checkpoint_location": "/c"}}).stream.checkpoint_location == "/c"
+
+
+@pytest.mark.timeout(900)
+def test_run_once_then_stream_applies_nothing_twice(any_db, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """docs/streaming.md's procedure under a concurrent writer: ``run --once`` creates the slot and
+    copies the tables at a later consistent point; the streaming query then starts at the slot and
+    must not apply the transactions the copy already holds (an insert-only table would double them)."""
+    import threading
+
+    from cdc_apply.pipeline import drain
+
+    server, dbname = any_db
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    config = parse_config({"pipeline": "handoff", "source": {"dsn": conninfo, "slot": "handoff",
+                                                             "create_publication": True},
+                           "target": {"warehouse": warehouse},
+                           "stream": {"trigger": "available_now", "max_changes_per_trigger": 500}})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("CREATE TABLE feed (n int, at timestamptz DEFAULT clock_timestamp())")
+        conn.execute("ALTER TABLE feed REPLICA IDENTITY NOTHING")
+        conn.execute("CREATE TABLE keyed (id int PRIMARY KEY, n int)")
+        conn.execute("INSERT INTO feed (n) SELECT g FROM generate_series(1, 100) g")
+        stop = threading.Event()
+
+        def write() -> None:
+            with psycopg.connect(conninfo, autocommit=True) as writer:
+                n = 1000
+                while not stop.is_set():
+                    writer.execute("INSERT INTO feed (n) VALUES (%s)", (n,))
+                    writer.execute("INSERT INTO keyed VALUES (%s, 1) ON CONFLICT (id) DO UPDATE SET n = keyed.n + 1",
+                                   (n % 40,))
+                    n += 1
+                    time.sleep(0.02)
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        try:
+            time.sleep(1)
+            first = drain(config, spark)  # run --once: slot, publication, copy
+            assert {s.table for s in first.snapshots} == {"public.feed", "public.keyed"}
+            time.sleep(1)
+        finally:
+            stop.set()
+            writer.join()
+        query = start_stream(config, spark)
+        try:
+            query.awaitTermination(600)
+        finally:
+            query.stop()
+        for name, columns in {"public.feed": ["n", "at"], "public.keyed": ["id", "n"]}.items():
+            truth = postgres_rows(conn, name, columns)
+            got = delta_rows(spark, f"{warehouse}/{name.replace('.', '/')}", columns, source_types(conn, name))
+            assert got == truth, name

@@ -212,13 +212,17 @@ class BatchApplier:
         if done is not None and done >= version:
             result.skipped = True
             return result
+        # Rows at or below the pipeline's LSN version (its initial copy, or what ``run`` applied)
+        # are in the target already, whichever path applies this batch: a micro-batch of
+        # ``foreach_batch`` drops them too, or an insert-only table would get them twice.
+        lsn_done = writers.get(self.app_id(oid))
         state: SourceState | None = target.source_state() if exists else None
         collapser: Collapser | None = None
         backfills: list[BackfillTargetColumn] = []
         for segment in segments:
             rows = segment.rows
-            if done is not None and versioning.by_lsn:
-                rows = [r for r in rows if r["commit_lsn"] > done]
+            if lsn_done is not None:
+                rows = [r for r in rows if r["commit_lsn"] > lsn_done]
             if not rows:
                 continue
             position = (rows[0]["commit_lsn"], rows[0]["seq"])
