@@ -306,3 +306,30 @@ def test_run_once_then_stream_applies_nothing_twice(any_db, spark, tmp_path) -> 
             truth = postgres_rows(conn, name, columns)
             got = delta_rows(spark, f"{warehouse}/{name.replace('.', '/')}", columns, source_types(conn, name))
             assert got == truth, name
+
+
+def test_foreach_batch_on_capture_rows_needs_no_server(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An ADD COLUMN ... DEFAULT in a capture: offline, live_source=False skips the catalog lookup."""
+    from cdc_apply.errors import CdcApplyError
+    from cdc_apply.pgserver import free_port
+
+    server, dbname = db18
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION load FOR TABLE t")
+        create_slot(conn, "offline")
+        conn.execute("INSERT INTO t VALUES (1, 'a')")
+        conn.execute("ALTER TABLE t ADD COLUMN c text DEFAULT 'dflt'")
+        conn.execute("INSERT INTO t VALUES (2, 'b')")
+        capture = tmp_path / "c.jsonl"
+        write_jsonl(capture, read_changes(conn, "offline", PgOutputOptions(("load",))))
+    frame = spark.read.format("pgoutput").load(str(capture))
+    nowhere = f"host=127.0.0.1 port={free_port()} dbname=x user=x connect_timeout=2"
+    spark.sparkContext.setLocalProperty("sql.streaming.queryId", "offline")
+    try:
+        with pytest.raises(CdcApplyError, match=r"backfill of column 'c' needs the source .*live_source=False"):
+            foreach_batch(_stream_config(nowhere, str(tmp_path / "wh1")))(frame, 0)
+        foreach_batch(_stream_config(nowhere, str(tmp_path / "wh2")), live_source=False)(frame, 0)
+    finally:
+        spark.sparkContext.setLocalProperty("sql.streaming.queryId", None)
+    rows = spark.read.format("delta").load(str(tmp_path / "wh2" / "public" / "t")).orderBy("id").collect()
+    assert [(r.id, r.v, r.c) for r in rows] == [(1, "a", None), (2, "b", "dflt")]  # as replay: no backfill

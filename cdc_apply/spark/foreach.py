@@ -18,9 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psycopg
 import pyarrow as pa
 
-from cdc_apply.apply.batch import BatchApplier
+from cdc_apply.apply.batch import BatchApplier, MissingValue, MissingValueLookup
+from cdc_apply.apply.options import apply_options
 from cdc_apply.assemble import Change, Transaction
 from cdc_apply.config import Config, load_config
 from cdc_apply.errors import CdcApplyError
@@ -28,7 +30,6 @@ from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import decode_message
 from cdc_apply.pipeline import RunSummary
-from cdc_apply.apply.options import apply_options
 from cdc_apply.sources.catalog import SourceCatalog
 
 if TYPE_CHECKING:
@@ -40,8 +41,11 @@ APPLY_COLUMNS = ("commit_lsn", "end_lsn", "commit_ts", "xid", "origin", "seq", "
                  "_cdc_relation", "_cdc_change")
 
 
-def foreach_batch(config: Config | str | Path) -> Callable[[DataFrame, int], None]:
-    """A ``foreachBatch`` function applying ``format("pgoutput")`` micro-batches per ``config``."""
+def foreach_batch(config: Config | str | Path, *, live_source: bool = True) -> Callable[[DataFrame, int], None]:
+    """A ``foreachBatch`` function applying ``format("pgoutput")`` micro-batches per ``config``.
+
+    ``live_source=False`` for frames read from capture files: there is no server to ask for the value
+    ``ADD COLUMN ... DEFAULT`` gave earlier rows, so that backfill is skipped, as ``replay`` does."""
     settings = config if isinstance(config, Config) else load_config(config)
     appliers: list[BatchApplier] = []  # one for the function's life: it keeps its table thread pool
     summary = RunSummary()
@@ -51,7 +55,7 @@ def foreach_batch(config: Config | str | Path) -> Callable[[DataFrame, int], Non
         query_id = streaming_query_id(spark)
         if not appliers:
             appliers.append(BatchApplier(spark, apply_options(settings),
-                                         missing_value=SourceCatalog(settings.source.conninfo()).missing_value))
+                                         missing_value=_source_lookup(settings) if live_source else None))
         applier = appliers[0]
         transactions = transactions_from_rows(frame.select(*APPLY_COLUMNS).toArrow())
         result = applier.apply(transactions, stream_batch=(query_id, batch_id))
@@ -63,6 +67,21 @@ def foreach_batch(config: Config | str | Path) -> Callable[[DataFrame, int], Non
 
     apply_micro_batch.summary = summary  # type: ignore[attr-defined]  # batches and commit->Delta lag
     return apply_micro_batch
+
+
+def _source_lookup(settings: Config) -> MissingValueLookup:
+    catalog = SourceCatalog(settings.source.conninfo())
+
+    def lookup(relation_oid: int, column: str) -> MissingValue:
+        try:
+            return catalog.missing_value(relation_oid, column)
+        except psycopg.OperationalError as exc:
+            raise CdcApplyError(
+                f"the ADD COLUMN ... DEFAULT backfill of column {column!r} needs the source "
+                f"({settings.source.describe()}): {' '.join(str(exc).split())}; for frames read from capture files use "
+                "foreach_batch(config, live_source=False), which skips the backfill as replay does") from None
+
+    return lookup
 
 
 def streaming_query_id(spark: SparkSession) -> str:
