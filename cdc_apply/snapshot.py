@@ -7,7 +7,14 @@ Invariants:
   below that version. The snapshot records ``consistent point - 1``: transactions committing
   before the consistent point are in the copy, those at or after it come from the slot.
 - The version is recorded last, in its own commit. A copy cut short (crash, error) leaves a target
-  without a version; the next run clears it and copies again.
+  without a version. A table with its own unique key (replica identity DEFAULT with a primary key,
+  or USING INDEX) is copied in key order and each chunk's commit records how far it got
+  (``"copy"`` in its userMetadata: the key after which the next chunk starts, and ``since_lsn``, the
+  consistent point of the oldest snapshot the target holds rows of). The next run resumes after
+  that key from a new snapshot, records ``since_lsn - 1`` as the version, so the slot replays every
+  change since the oldest rows, and sets ``merge_until`` to the new consistent point: up to it,
+  new rows are merged, never appended, because the newer rows already hold those changes. Other
+  tables, or a table whose columns changed in between, are cleared and copied again.
 - The slot the pipeline reads was created before the snapshot (its position is at or before the
   consistent point), so nothing committed after the copy is lost. This also holds for a table
   added to the publication later: its first streamed changes trigger its own snapshot, and the
@@ -26,11 +33,15 @@ from datetime import datetime, timezone
 import psycopg
 
 from cdc_apply.apply.batch import BatchApplier
+from cdc_apply.apply.evolve import apply_actions
+from cdc_apply.apply.targets import Target
 from cdc_apply.assemble import Change, Transaction
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
-from cdc_apply.lsn import datetime_to_pg_us, format_lsn
+from cdc_apply.lsn import datetime_to_pg_us, format_lsn, parse_lsn
 from cdc_apply.progress import progress
+from cdc_apply.pgoutput import messages as m
+from cdc_apply.sources.slot import confirmed_flush
 from cdc_apply.sources.snapshot import ExportedSnapshot, PublishedTable, published_tables
 
 log = logging.getLogger(__name__)
@@ -78,6 +89,17 @@ class Snapshotter:
                      format_lsn(snapshot.consistent_lsn))
             return [self._copy(snapshot, table, estimates.get(table.relation.oid)) for table in tables]
 
+    def _slot_confirmed(self) -> int:
+        with psycopg.connect(self.config.source.conninfo(), autocommit=True) as conn:
+            return confirmed_flush(conn, self.config.source.slot)
+
+    def _unique_key(self, table: PublishedTable) -> tuple[str, ...]:
+        """The source's own unique key, in which order a copy can resume; () for any other table."""
+        relation = table.relation
+        if self.applier.options.for_table(relation.namespace, relation.name).keys:
+            return ()  # configured keys need not be unique
+        return tuple(relation.key_columns) if relation.replica_identity in ("d", "i") else ()
+
     def sync_new(self, transactions: Iterable[Transaction]) -> list[TableSnapshot]:
         """Before a batch: copy the tables it touches that have no target yet (added to the publication)."""
         unknown = {c.relation.oid for t in transactions for c in t.changes} - set(self.applier.registry.entries())
@@ -85,22 +107,61 @@ class Snapshotter:
 
     def _copy(self, snapshot: ExportedSnapshot, table: PublishedTable, estimate: int | None) -> TableSnapshot:
         started = time.perf_counter()
-        version = snapshot.consistent_lsn - 1
-        target, existed = self.applier.ensure_target(table.relation, (version, 0))
-        if existed:
-            target.clear()  # a copy that was cut short
+        relation = table.relation
+        chunk_version = snapshot.consistent_lsn - 1
+        target, existed = self.applier.ensure_target(relation, (chunk_version, 0))
+        key = self._unique_key(table)
+        resumed = _copy_progress(target, key, relation) if existed else None
+        if resumed is not None and self._slot_confirmed() > parse_lsn(resumed["since_lsn"]):  # type: ignore[arg-type]
+            resumed = None  # the slot no longer holds the changes since the first rows: copy again
+        if existed and resumed is None:
+            target.clear()  # a copy that was cut short, and cannot be resumed
+        since = parse_lsn(resumed["since_lsn"]) if resumed else snapshot.consistent_lsn
+        after: list[str] | None = resumed["after"] if resumed else None
+        rows = int(resumed["rows"]) if resumed else 0
+        if resumed:
+            log.info("resuming the copy of %s after key %s (%d rows copied)", table.qualified_name, after, rows)
         commit_ts = datetime_to_pg_us(datetime.now(timezone.utc))
-        rows = 0
+        positions = [[c.name for c in relation.columns].index(k) for k in key]
         with progress(f"snapshot {table.qualified_name}", estimate) as advance:
-            for chunk in snapshot.rows(table, self.config.snapshot.chunk_rows):
-                changes = [Change(rows + i, "I", table.relation, new=image) for i, image in enumerate(chunk)]
-                self.applier.apply([Transaction(0, version, version, commit_ts, changes, kind="snapshot")],
-                                   snapshot=True)
+            for chunk in snapshot.rows(table, self.config.snapshot.chunk_rows, key, after):
+                changes = [Change(rows + i, "I", relation, new=image) for i, image in enumerate(chunk)]
                 rows += len(chunk)
+                last = chunk[-1].values
+                after = [last[i].decode() for i in positions]  # type: ignore[union-attr]
+                copied = {"since_lsn": format_lsn(since), "consistent_lsn": format_lsn(snapshot.consistent_lsn),
+                          "key": list(key), "after": after, "rows": rows,
+                          "columns": [[c.name, c.type_oid, c.typmod] for c in relation.columns]}
+                self.applier.apply([Transaction(0, chunk_version, chunk_version, commit_ts, changes, kind="snapshot")],
+                                   snapshot=True, copy_progress=copied if key else None)
                 advance(len(chunk))
                 failpoint("snapshot_chunk")
-        target.record_version(self.applier.app_id(table.relation.oid), version, json.dumps(
-            {"cdc_apply": "snapshot complete", "rows": rows, "consistent_lsn": format_lsn(snapshot.consistent_lsn)}))
+        if since != snapshot.consistent_lsn:  # resumed: rows of two snapshots; merge up to the newer one
+            state = target.source_state()
+            if state is not None:
+                state.merge_until = snapshot.consistent_lsn
+                apply_actions(target, [], state, format_lsn(snapshot.consistent_lsn))
+        version = since - 1
+        target.record_version(self.applier.app_id(relation.oid), version, json.dumps(
+            {"cdc_apply": "snapshot complete", "rows": rows, "consistent_lsn": format_lsn(since)}))
         seconds = time.perf_counter() - started
         log.info("snapshot of %s: %d rows in %.1f s", table.qualified_name, rows, seconds)
         return TableSnapshot(table.qualified_name, rows, snapshot.consistent_lsn, seconds)
+
+
+def _copy_progress(target: Target, key: tuple[str, ...], relation: m.Relation) -> dict[str, object] | None:
+    """Where a copy cut short got to: the ``"copy"`` metadata of the target's newest commit, which is
+    the last chunk written, when the copy can go on (the same unique key and columns as now); None
+    to start over (no chunk yet, a clear, another key or other columns)."""
+    if not key:
+        return None
+    newest = target.delta().history(1).select("userMetadata").collect()
+    try:
+        metadata = json.loads((newest[0].userMetadata if newest else None) or "{}")
+    except ValueError:
+        return None
+    copied = metadata.get("copy") if metadata.get("cdc_apply") == "snapshot" else None
+    columns = [[c.name, c.type_oid, c.typmod] for c in relation.columns]
+    if not copied or copied.get("key") != list(key) or copied.get("columns") != columns:
+        return None
+    return copied

@@ -1,6 +1,7 @@
 """Tables without a key, on every server version: CREATE TABLE AS (insert-only, identical rows kept,
 truncate empties it), a primary key added later (keyed from then on, across batches and inside
-one), and REPLICA IDENTITY FULL without a key (rows matched on the whole old row, NULLs included).
+one), and REPLICA IDENTITY FULL without a key (rows matched on the whole old row, NULLs included;
+identical rows kept apart, an UPDATE or DELETE of one of them changes exactly one).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def test_keyless_tables_are_applied_and_a_later_key_takes_over(any_db, spark, tm
         conn.execute("CREATE TABLE ctas AS SELECT * FROM src")  # replica identity default, no key
         conn.execute("CREATE TABLE late (id int NOT NULL, v text)")
         conn.execute("SELECT 1 AS a, NULL::text AS b INTO full_nokey")
+        conn.execute("INSERT INTO full_nokey VALUES (1, NULL), (5, 'five'), (5, 'five'), (5, 'five')")
         conn.execute("ALTER TABLE full_nokey REPLICA IDENTITY FULL")
         first = drain(config, spark)  # creates publication and slot, copies the three tables
         assert sorted(s.table for s in first.snapshots) == ["public.ctas", "public.full_nokey", "public.late", "public.src"]
@@ -46,10 +48,19 @@ def test_keyless_tables_are_applied_and_a_later_key_takes_over(any_db, spark, tm
             conn.execute("UPDATE ctas SET v = 'x' WHERE id = 1")  # what makes insert-only safe
         conn.execute("INSERT INTO late SELECT g, 'l' || g FROM generate_series(1, 10) g")
         conn.execute("INSERT INTO full_nokey VALUES (2, NULL), (3, 'c'), (NULL, 'n')")
-        conn.execute("UPDATE full_nokey SET b = 'was null' WHERE a = 1")
+        conn.execute("UPDATE full_nokey SET b = 'was null' WHERE ctid = (SELECT min(ctid) FROM full_nokey WHERE a = 1)")
         conn.execute("DELETE FROM full_nokey WHERE a IS NULL")
+        conn.execute("DELETE FROM full_nokey WHERE ctid = (SELECT min(ctid) FROM full_nokey WHERE a = 5)")
+        conn.execute("INSERT INTO full_nokey VALUES (3, 'c'), (3, 'c')")
         drain(config, spark)
         _assert_equal(spark, conn, warehouse)
+        with conn.transaction():  # one of three identical rows changed, one removed, in one transaction
+            conn.execute("UPDATE full_nokey SET a = 33 WHERE ctid = (SELECT min(ctid) FROM full_nokey WHERE a = 3)")
+            conn.execute("DELETE FROM full_nokey WHERE ctid = (SELECT min(ctid) FROM full_nokey WHERE a = 5)")
+        conn.execute("INSERT INTO full_nokey VALUES (5, 'five')")
+        drain(config, spark)
+        _assert_equal(spark, conn, warehouse)
+        assert postgres_rows(conn, "public.full_nokey", ["a", "b"]).count(("5", "five")) == 2
 
         conn.execute("TRUNCATE ctas")
         conn.execute("INSERT INTO ctas SELECT g, 't' || g FROM generate_series(1, 5) g")

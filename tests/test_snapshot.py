@@ -70,7 +70,9 @@ def test_snapshot_under_writes_then_stream_and_a_table_added_later(db18, spark, 
         assert not drain(config, spark).snapshots
 
 
-def test_a_snapshot_killed_half_way_is_done_again(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_snapshot_killed_half_way_resumes_where_it_stopped(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A table with a primary key resumes after its last copied key, from a new snapshot; the changes
+    made in between (to rows copied before and after the kill, and new rows) land once."""
     server, dbname = db18
     conninfo = server.conninfo(dbname)
     warehouse = str(tmp_path / "wh")
@@ -88,8 +90,14 @@ def test_a_snapshot_killed_half_way_is_done_again(db18, spark, tmp_path) -> None
         assert partial.committed_version("snap/" + str(conn.execute(
             "SELECT 'accounts'::regclass::oid").fetchone()[0])) is None
         conn.execute("DELETE FROM accounts WHERE id % 10 = 0")
-        job = Job(config_path, tmp_path / "job.log", once=True)
-        assert job.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
+        conn.execute("UPDATE accounts SET owner = 'moved' WHERE id % 7 = 0")
+        conn.execute("INSERT INTO accounts (id, owner, balance) SELECT g, 'new', 1 FROM generate_series(30001, 30500) g")
+        job = Job(config_path, tmp_path / "job2.log", once=True)
+        assert job.wait(timeout=300) == 0, (tmp_path / "job2.log").read_text()[-3000:]
+        assert "resuming the copy of public.accounts after key ['10000'] (10000 rows copied)" in \
+            (tmp_path / "job2.log").read_text()
+        history = partial.delta().history().collect()
+        assert not any(h.operation == "DELETE" for h in history)  # nothing copied twice: no clear
         assert_delta_equals_postgres(spark, conn, warehouse)
 
 

@@ -20,12 +20,12 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from cdc_apply.apply.collapse import Collapser
+from cdc_apply.apply.collapse import Collapser, MultisetCollapser
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.history import HistoryCollapser, merge_history
 from cdc_apply.apply.merge import ValueDoesNotFitError, merge_collapsed
@@ -75,6 +75,7 @@ class Versioning:
     app_prefix: str
     version: int
     by_lsn: bool  # versions are commit LSNs: rows at or below the committed one are dropped
+    copy_progress: Mapping[str, object] | None = None  # a snapshot chunk: recorded in its own commit
 
 
 @dataclass
@@ -117,16 +118,19 @@ class BatchApplier:
         self.registry = TargetRegistry(options.warehouse)
 
     def apply(self, transactions: Iterable[Transaction], *, snapshot: bool = False,
-              stream_batch: tuple[str, int] | None = None) -> BatchResult:
+              stream_batch: tuple[str, int] | None = None,
+              copy_progress: Mapping[str, object] | None = None) -> BatchResult:
         """``snapshot``: the transactions are initial-snapshot chunks for tables the caller cleared
-        (inserts only, appended; no transaction ids; the caller records the sync point).
-        ``stream_batch``: (query id, batch id) of a Structured Streaming micro-batch."""
+        (inserts only, appended; no transaction ids; the caller records the sync point), and
+        ``copy_progress`` goes into the chunk's commit metadata (``"copy"``), so a copy cut short
+        resumes after it. ``stream_batch``: (query id, batch id) of a Structured Streaming micro-batch."""
         started = time.perf_counter()
         transactions = list(transactions)
         if not transactions:
             return BatchResult(0, None, None, [], 0.0)
         if stream_batch is None:
-            version = Versioning(self.options.pipeline, transactions[-1].commit_lsn, by_lsn=True)
+            version = Versioning(self.options.pipeline, transactions[-1].commit_lsn, by_lsn=True,
+                                 copy_progress=copy_progress)
         else:
             version = Versioning(stream_batch[0], stream_batch[1], by_lsn=False)
         by_table: dict[int, list[TableChanges]] = {}
@@ -240,6 +244,8 @@ class BatchApplier:
             if collapser is None:
                 if options.scd_type == 2:
                     collapser = HistoryCollapser(qualified, state.keys)
+                elif _whole_row_key(segment.relation, options):
+                    collapser = MultisetCollapser(qualified, state.keys)
                 else:
                     collapser = Collapser(qualified, state.keys)
             column_map = state.column_map()
@@ -257,7 +263,10 @@ class BatchApplier:
                     key_state.values.setdefault(backfill.column, backfill.value)
         data_types = target.data_types()
         history = isinstance(collapser, HistoryCollapser)
-        append = snapshot or (appendable and not history and collapsed.new_rows_only)
+        # Up to ``merge_until`` the target may hold rows a resumed copy took from a later snapshot
+        # than its version says: a first insert there may find its row, so it is merged.
+        converged = (collapsed.first_lsn or 0) > state.merge_until
+        append = snapshot or (appendable and converged and not history and collapsed.new_rows_only)
         write = "snapshot" if snapshot else "append" if append else "merge"
         metadata = {"cdc_apply": write, "pipeline": self.options.pipeline, "relation_oid": oid, "source": qualified,
                     "first_lsn": format_lsn(collapsed.first_lsn or 0), "last_lsn": format_lsn(collapsed.last_lsn or 0),
@@ -266,6 +275,8 @@ class BatchApplier:
                                if column is not None and column != source}
         if result.side_columns:
             metadata["side_columns"] = result.side_columns
+        if snapshot and versioning.copy_progress is not None:
+            metadata["copy"] = dict(versioning.copy_progress)
         if collapsed.truncate is not None:
             metadata["truncate"] = {"lsn": format_lsn(collapsed.truncate.commit_lsn),
                                     "cascade": bool(collapsed.truncate.options & m.TRUNCATE_CASCADE),
@@ -329,9 +340,11 @@ class BatchApplier:
     def _later_keys(state: SourceState, relation: m.Relation, options: TableOptions) -> tuple[str, ...]:
         """An insert-only table whose Relation now carries a key (``ADD PRIMARY KEY``) is keyed from here on;
         the rows it holds are unique on that key, or PostgreSQL would have refused it."""
+        targets = state.column_map()
+        if _whole_row_key(relation, options):  # the key is the whole row, as it is now
+            return tuple(t for t in (targets.get(k) for k in relation.key_columns) if t is not None)
         if state.keys or options.keys or relation.replica_identity not in ("d", "i", "f"):
             return state.keys
-        targets = state.column_map()
         keys = tuple(targets.get(k) for k in relation.key_columns)
         if not keys or any(k is None for k in keys):
             return state.keys
@@ -376,7 +389,7 @@ class BatchApplier:
             if keys == state.keys:
                 return state, {}
             keyed = SourceState(state.relation_oid, segment.relation.namespace, segment.relation.name, keys,
-                                state.columns, position)
+                                state.columns, position, state.merge_until)
             apply_actions(target, [], keyed, format_lsn(position[0]))
             return keyed, {}
         where = f"{segment.qualified_name} at LSN {format_lsn(position[0])}"
@@ -386,18 +399,26 @@ class BatchApplier:
         targets = {col.name: col.target for col in decided.columns}
         renamed_keys = {a.old for a in decided.actions if isinstance(a, RenameTargetColumn)}
         missing_keys = [k for k in state.keys if k not in targets.values() and k not in renamed_keys]
-        if missing_keys:
+        if missing_keys and not _whole_row_key(segment.relation, options):
             raise CdcApplyError(f"{where}: key columns {missing_keys} no longer reach the target after "
                                 f"{[describe(e) for e in events]}")
         renamed = {a.old: a.new for a in decided.actions if isinstance(a, RenameTargetColumn)}
         new_state = SourceState(state.relation_oid, segment.relation.namespace, segment.relation.name,
-                                tuple(renamed.get(k, k) for k in state.keys), decided.columns, position)
+                                tuple(renamed.get(k, k) for k in state.keys), decided.columns, position,
+                                state.merge_until)
         new_state.keys = self._later_keys(new_state, segment.relation, options)
         added = [e for e in events if isinstance(e, ColumnAdded) and targets.get(e.column)]
         backfills += self._backfills(segment.relation, added, targets, options, position[0])
         apply_actions(target, [*decided.actions, *backfills], new_state, format_lsn(position[0]))
         result.schema_changes += [describe(e) for e in events]
         return new_state, renamed
+
+
+def _whole_row_key(relation: m.Relation, options: TableOptions) -> bool:
+    """REPLICA IDENTITY FULL and no configured key: identical rows may exist, each kept (hard deletes,
+    SCD type 1; soft deletes and history keep one row per distinct value, docs/apply.md)."""
+    return relation.replica_identity == "f" and not options.keys and options.delete_mode == "hard" \
+        and options.scd_type == 1
 
 
 def _unique_key(relation: m.Relation, column_map: dict[str, str | None], keys: tuple[str, ...],

@@ -57,6 +57,9 @@ class Collapsed:
     op_counts: Counter[str] = field(default_factory=Counter)
     first_lsn: int | None = None
     last_lsn: int | None = None
+    # Whole-row keys (REPLICA IDENTITY FULL without a configured key): how many rows of each key the
+    # batch adds (> 0) or removes (< 0); None for ordinary keys, where a key is one row.
+    multiplicity: dict[Key, int] | None = None
 
     @property
     def new_rows_only(self) -> bool:
@@ -196,6 +199,58 @@ class Collapser:
 
     def _key_image(self, key: Key) -> Image:
         return dict(zip(self._key_columns, key))
+
+
+class MultisetCollapser(Collapser):
+    """REPLICA IDENTITY FULL without a unique key: PostgreSQL keeps identical rows apart, so the key
+    is the whole row and the batch's result per key is a count of rows added or removed, besides the
+    row's values. An UPDATE or DELETE of one of n identical rows changes exactly one of them."""
+
+    def __init__(self, table: str, key_columns: tuple[str, ...]) -> None:
+        super().__init__(table, key_columns)
+        self.result.multiplicity = {}
+
+    def add(self, row: Mapping[str, Any], column_map: Mapping[str, str | None] | None = None) -> None:
+        op = row["op"]
+        lsn, ts = row["commit_lsn"], row["commit_ts"]
+        result = self.result
+        counts = result.multiplicity
+        assert counts is not None
+        result.op_counts[op] += 1
+        if result.first_lsn is None:
+            result.first_lsn = lsn
+        result.last_lsn = lsn
+        if op == "T":
+            counts.clear()
+            self._truncate(TruncateMark(lsn, ts, row["truncate_options"] or 0))
+            return
+        old = _renamed(row["old"], column_map) or _renamed(row["key"], column_map)
+        if op in ("U", "D"):
+            key = self._key(old, row, "old")
+            counts[key] = counts.get(key, 0) - 1
+            self._set(key, KeyState(True, dict(zip(self._key_columns, key)), lsn, ts))
+        if op in ("I", "U"):
+            new = _renamed(row["new"], column_map) or {}
+            for name in (n for n in (_rename(c, column_map) for c in row["unchanged"]) if n):
+                new[name] = (old or {}).get(name)  # unchanged TOAST: the full old row holds it
+            key = self._key(new, row, "new")
+            counts[key] = counts.get(key, 0) + 1
+            self._set(key, KeyState(False, new, lsn, ts))
+
+    def add_key(self, key_columns: tuple[str, ...]) -> None:
+        """The whole row grew (a column added inside the batch): earlier rows lack it (NULL)."""
+        counts = self.result.multiplicity
+        assert counts is not None
+        states = list(self.result.states.items())
+        previous = self._key_columns
+        self._key_columns = key_columns
+        self.result.key_columns = key_columns
+        self.result.states, self.result.multiplicity = {}, {}
+        for key, state in states:
+            values = dict(zip(previous, key))
+            new_key = tuple(values.get(k) for k in key_columns)
+            self.result.multiplicity[new_key] = self.result.multiplicity.get(new_key, 0) + counts.get(key, 0)
+            self._set(new_key, state)
 
 
 def _rename(name: str, column_map: Mapping[str, str | None] | None) -> str | None:

@@ -21,6 +21,7 @@ from cdc_apply.apply.sessionconf import delta_commit_conf
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED, TableOptions
 from cdc_apply.apply.targets import Target, quote
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.lsn import format_lsn
 from cdc_apply.pgtypes.sparktypes import arrow_type
 
 if TYPE_CHECKING:
@@ -133,6 +134,10 @@ def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[st
     """One Delta commit. ``append``: every row is new to the table (initial snapshot chunks, or a
     batch of new rows only: ``Collapsed.new_rows_only``), so a plain append writes it."""
     spark = target.spark
+    if collapsed.multiplicity is not None:
+        with delta_commit_conf(spark, app_id, version, user_metadata):
+            _write_multiset(target, collapsed, data_types, keys)
+        return
     if not append:
         fill_from_other_rows(target, collapsed, keys)
     source = source_frame(spark, collapsed, data_types)
@@ -150,7 +155,84 @@ def _append(target: Target, source: DataFrame, collapsed: Collapsed, options: Ta
     rows = source.where(f"{OP} = 'U'").drop(OP, KEEP)
     if options.delete_mode == "soft":
         rows = rows.withColumn(DELETED, F.lit(False))
-    writer = rows.write.format("delta").mode("overwrite" if collapsed.truncate else "append")
+    _write(target, rows, "overwrite" if collapsed.truncate else "append")
+
+
+def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str]) -> None:
+    """Whole-row keys with a count each (``Collapsed.multiplicity``): identical rows stay apart.
+
+    Rows added are appended as copies. For a key that loses rows, the target's count of it is read
+    first; then one MERGE deletes its rows (a source row with ``_cdc_op = 'D'``) and inserts the
+    copies that remain (``'U'`` rows, which the ON clause never matches). A truncate overwrites."""
+    counts = collapsed.multiplicity or {}
+    states = collapsed.states
+    entries: list[tuple[dict[str, Any], str, int, int]] = []
+
+    def copies(key: Key, number: int) -> None:
+        state = states[key]
+        values = dict(zip(keys, key)) | {k: v for k, v in state.values.items() if k not in keys}
+        entries.extend([(values, "U", state.commit_lsn, state.commit_ts)] * number)
+
+    where = f"{target.location} (LSN {format_lsn(collapsed.first_lsn or 0)}..{format_lsn(collapsed.last_lsn or 0)})"
+    if collapsed.truncate is not None:
+        for key, delta in counts.items():
+            if delta < 0:
+                raise CdcApplyError(f"{where}: a row removed after the truncate was never there")
+            copies(key, delta)
+        _write(target, _entries_frame(target.spark, entries, data_types).drop(OP), "overwrite")
+        return
+    removing = [key for key, delta in counts.items() if delta < 0]
+    current = _target_counts(target, removing, keys, data_types) if removing else {}
+    for key, delta in counts.items():
+        if delta > 0:
+            copies(key, delta)
+    for key in removing:
+        remaining = current.get(key, 0) + counts[key]
+        if remaining < 0:
+            raise CdcApplyError(f"{where}: removes {-counts[key]} row(s) of a value the target holds "
+                                f"{current.get(key, 0)} time(s); the target is out of step (copy it again)")
+        copies(key, remaining)
+        state = states[key]
+        entries.append((dict(zip(keys, key)), "D", state.commit_lsn, state.commit_ts))
+    source = _entries_frame(target.spark, entries, data_types)
+    if not removing:
+        _write(target, source.drop(OP), "append")
+        return
+    from pyspark.sql import functions as F
+
+    condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys) + f" AND s.{OP} = 'D'"
+    inserts = {quote(name): F.col(f"s.{quote(name)}") for name in data_types}
+    inserts |= {quote(COMMIT_LSN): F.col(f"s.{COMMIT_LSN}"), quote(COMMIT_TS): F.col(f"s.{COMMIT_TS}")}
+    (target.delta().alias("t").merge(source.alias("s"), condition)
+     .whenMatchedDelete().whenNotMatchedInsert(f"s.{OP} = 'U'", inserts).execute())
+
+
+def _entries_frame(spark: SparkSession, entries: list[tuple[dict[str, Any], str, int, int]],
+                   data_types: Mapping[str, str]) -> DataFrame:
+    arrays = {name: arrow_column(name, [values.get(name) for values, _, _, _ in entries], data_types[name])
+              for name in data_types}
+    arrays[OP] = pa.array([op for _, op, _, _ in entries], pa.string())
+    arrays[COMMIT_LSN] = pa.array([lsn for _, _, lsn, _ in entries], pa.int64())
+    arrays[COMMIT_TS] = pa.array([ts for _, _, _, ts in entries], pa.timestamp("us", tz="UTC"))
+    return typed_frame(spark, arrays, data_types)
+
+
+def _target_counts(target: Target, wanted: list[Key], keys: Sequence[str],
+                   data_types: Mapping[str, str]) -> dict[Key, int]:
+    """How many target rows hold each of the ``wanted`` whole-row keys (a join on the driver's keys)."""
+    from pyspark.sql import functions as F
+
+    arrays = {name: arrow_column(name, [key[i] for key in wanted], data_types[name]) for i, name in enumerate(keys)}
+    arrays["_cdc_i"] = pa.array(range(len(wanted)), pa.int64())
+    probe = typed_frame(target.spark, arrays, {name: data_types[name] for name in keys})
+    table = target.read()
+    joined = table.join(probe, on=[table[quote(k)].eqNullSafe(probe[quote(k)]) for k in keys], how="inner")
+    found = joined.groupBy(probe["_cdc_i"]).agg(F.count(F.lit(1)).alias("n")).collect()
+    return {wanted[row["_cdc_i"]]: int(row["n"]) for row in found}
+
+
+def _write(target: Target, frame: DataFrame, mode: str) -> None:
+    writer = frame.write.format("delta").mode(mode)
     if target.by_name:
         writer.saveAsTable(target.location)
     else:

@@ -58,6 +58,7 @@ class SourceState:
     keys: tuple[str, ...]  # target column names
     columns: list[SourceColumn]
     applied_at: tuple[int, int]  # (commit_lsn, seq) of the first change decoded under this definition
+    merge_until: int = 0  # a resumed copy's newest consistent point: no append of new rows up to it
 
     def column_map(self) -> dict[str, str | None]:
         return {col.name: col.target for col in self.columns}
@@ -65,13 +66,15 @@ class SourceState:
     def to_json(self) -> str:
         return json.dumps({"relation_oid": self.relation_oid, "schema": self.schema, "table": self.table,
                            "keys": list(self.keys), "applied_at": list(self.applied_at),
+                           "merge_until": self.merge_until,
                            "columns": [[c.name, c.spark_type, c.target] for c in self.columns]})
 
     @classmethod
     def from_json(cls, text: str) -> SourceState:
         data = json.loads(text)
         return cls(data["relation_oid"], data["schema"], data["table"], tuple(data["keys"]),
-                   [SourceColumn(*col) for col in data["columns"]], tuple(data["applied_at"]))
+                   [SourceColumn(*col) for col in data["columns"]], tuple(data["applied_at"]),
+                   data.get("merge_until", 0))
 
 
 class Target:

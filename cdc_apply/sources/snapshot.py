@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -69,16 +69,33 @@ class ExportedSnapshot:
         if self.conn is not None:
             self.conn.close()  # a temporary slot goes with its connection
 
-    def rows(self, table: PublishedTable, chunk_rows: int) -> Iterator[list[m.TupleData]]:
-        """The table's rows at the snapshot, as text-format TupleData, ``chunk_rows`` at a time."""
+    def rows(self, table: PublishedTable, chunk_rows: int, order_by: Sequence[str] = (),
+             after: Sequence[str] | None = None) -> Iterator[list[m.TupleData]]:
+        """The table's rows at the snapshot, as text-format TupleData, ``chunk_rows`` at a time;
+        ordered by the unique key ``order_by`` and, when ``after`` (its text values) is given, only
+        the rows past it: the rest of a copy cut short."""
         relation = table.relation
         columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in relation.columns)
         # ONLY: an inheritance parent's children are published (and copied) as tables of their own.
         query = sql.SQL("SELECT {} FROM {}{}").format(columns, sql.SQL("" if table.partitioned else "ONLY "),
                                                       sql.Identifier(relation.namespace, relation.name))
+        conditions: list[sql.Composable] = []
         if table.row_filter:
-            query = sql.SQL("{} WHERE {}").format(query, sql.SQL(table.row_filter))  # type: ignore[arg-type]
+            conditions.append(sql.SQL(table.row_filter))  # type: ignore[arg-type]
         with self._inside(f"{table.qualified_name} was copied") as conn:
+            if after is not None:
+                kinds = [conn.execute("SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
+                                      "WHERE attrelid = %s AND attname = %s", (relation.oid, name)).fetchone()[0]
+                         for name in order_by]
+                conditions.append(sql.SQL("({}) > ({})").format(
+                    sql.SQL(", ").join(map(sql.Identifier, order_by)),
+                    sql.SQL(", ").join(sql.SQL("CAST({} AS {})").format(sql.Literal(value), sql.SQL(kind))
+                                       for value, kind in zip(after, kinds, strict=True))))
+            if conditions:
+                query = sql.SQL("{} WHERE {}").format(
+                    query, sql.SQL(" AND ").join(sql.SQL("({})").format(c) for c in conditions))
+            if order_by:
+                query = sql.SQL("{} ORDER BY {}").format(query, sql.SQL(", ").join(map(sql.Identifier, order_by)))
             with conn.cursor().copy(sql.SQL("COPY ({}) TO STDOUT").format(query)) as copy:
                 chunk: list[m.TupleData] = []
                 for row in copy.rows():
