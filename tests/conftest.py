@@ -64,3 +64,17 @@ def spark():  # type: ignore[no-untyped-def]
     session = build_spark_session()
     yield session
     session.stop()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    """How many oracle reads delta-rs made beside Spark, and which targets it could not read."""
+    import sys
+
+    oracle = sys.modules.get("tests.delta_oracle")
+    if oracle is None:
+        return
+    delta_rs_left_out, delta_rs_reads = oracle.delta_rs_left_out, oracle.delta_rs_reads
+    if delta_rs_reads[0] or delta_rs_left_out:
+        features = sorted({f for found in delta_rs_left_out.values() for f in found})
+        terminalreporter.write_line(f"delta-rs: {delta_rs_reads[0]} oracle reads equal to Spark's; "
+                                    f"{len(delta_rs_left_out)} target(s) left out for {features}")

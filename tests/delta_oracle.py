@@ -11,6 +11,7 @@ requires a feature it cannot read (``DELTA_RS_UNREADABLE``); ``delta_rs_left_out
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ def source_types(conn: Any, qualified: str) -> dict[str, PgType]:
 # Table features delta-rs 1.6.6 refuses to read (its error: "Unsupported table features required").
 DELTA_RS_UNREADABLE = {"typeWidening"}
 delta_rs_left_out: dict[str, set[str]] = {}
+delta_rs_reads = [0]  # reads compared with Spark's, for the session summary (conftest.py)
 
 
 def reader_features(path: str) -> set[str]:
@@ -109,7 +111,10 @@ def delta_rs_rows(path: str, columns: list[str], types: dict[str, PgType],
     unreadable = reader_features(path) & DELTA_RS_UNREADABLE
     if unreadable:
         delta_rs_left_out[path] = unreadable
+        warnings.warn(f"{path}: not read by delta-rs, which cannot read table feature(s) {sorted(unreadable)}",
+                      stacklevel=3)
         return None
+    delta_rs_reads[0] += 1
     table = pa.RecordBatchReader.from_stream(DeltaTable(path).scan(columns=columns, predicate=where)).read_all()
     if table.num_rows == 0:
         return []

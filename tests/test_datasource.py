@@ -308,12 +308,12 @@ def test_run_once_then_stream_applies_nothing_twice(any_db, spark, tmp_path) -> 
             assert got == truth, name
 
 
-def test_foreach_batch_on_capture_rows_needs_no_server(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_foreach_batch_on_capture_rows_needs_no_server(any_db, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """An ADD COLUMN ... DEFAULT in a capture: offline, live_source=False skips the catalog lookup."""
     from cdc_apply.errors import CdcApplyError
     from cdc_apply.pgserver import free_port
 
-    server, dbname = db18
+    server, dbname = any_db
     with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
         conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION load FOR TABLE t")
         create_slot(conn, "offline")
