@@ -7,9 +7,9 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from cdc_apply.config import parse_config
 from cdc_apply.pipeline import drain
 from tests.delta_oracle import delta_rows, source_types
+from tests.once_config import once_config
 from tests.reference_apply import postgres_rows
 
 
@@ -17,10 +17,8 @@ from tests.reference_apply import postgres_rows
 def test_evolve_follows_every_schema_change(any_db, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     server, dbname = any_db
     warehouse = str(tmp_path / "wh")
-    config = parse_config({"pipeline": "evo", "source": {"dsn": server.conninfo(dbname), "slot": "evo",
-                                                         "create_publication": True},
-                           "target": {"warehouse": warehouse}, "defaults": {"schema_policy": "evolve"},
-                           "batching": {"max_changes": 7}})
+    config = once_config(server, dbname, warehouse, "evo", defaults={"schema_policy": "evolve"},
+                         batching={"max_changes": 7})
     target = f"{warehouse}/public/items"  # found by relation OID: renames and SET SCHEMA keep it
 
     def check(conn, qualified: str, columns: list[str]) -> None:  # type: ignore[no-untyped-def]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from cdc_apply.config import parse_config
 from cdc_apply.pipeline import drain
 from tests.delta_oracle import delta_rows, source_types
+from tests.once_config import once_config
 from tests.reference_apply import postgres_rows
 
 TABLES = {"public.ctas": ["id", "v"], "public.late": ["id", "v"], "public.full_nokey": ["a", "b"]}
@@ -28,9 +28,7 @@ def _assert_equal(spark, conn, warehouse: str) -> None:  # type: ignore[no-untyp
 def test_keyless_tables_are_applied_and_a_later_key_takes_over(any_db, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     server, dbname = any_db
     warehouse = str(tmp_path / "wh")
-    config = parse_config({"pipeline": "keyless", "source": {"dsn": server.conninfo(dbname), "slot": "keyless",
-                                                             "create_publication": True},
-                           "target": {"warehouse": warehouse}, "batching": {"max_changes": 1000}})
+    config = once_config(server, dbname, warehouse, "keyless", batching={"max_changes": 1000})
     with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
         conn.execute("CREATE TABLE src (id int, v text)")
         conn.execute("INSERT INTO src SELECT g, 'v' || g FROM generate_series(1, 20) g")

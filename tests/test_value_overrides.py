@@ -12,16 +12,14 @@ from cdc_apply.errors import CdcApplyError
 from cdc_apply.pgtypes import TypeCache
 from cdc_apply.pipeline import drain
 from tests.delta_oracle import delta_rows, source_types
+from tests.once_config import once_config
 from tests.reference_apply import postgres_rows
 
 COLUMNS = ["id", "amount", "tags"]
 
 
 def _config(server, dbname: str, warehouse: str, overrides: dict[str, object] | None = None):  # type: ignore[no-untyped-def]
-    tables = {"public.m": {"columns": overrides}} if overrides else {}
-    return parse_config({"pipeline": "ov", "source": {"dsn": server.conninfo(dbname), "slot": "ov",
-                                                      "create_publication": True},
-                         "target": {"warehouse": warehouse}, "tables": tables})
+    return once_config(server, dbname, warehouse, "ov", tables={"public.m": {"columns": overrides}} if overrides else {})
 
 
 @pytest.mark.spark
