@@ -70,10 +70,10 @@ def test_snapshot_under_writes_then_stream_and_a_table_added_later(db18, spark, 
         assert not drain(config, spark).snapshots
 
 
-def test_a_snapshot_killed_half_way_resumes_where_it_stopped(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_snapshot_killed_half_way_resumes_where_it_stopped(any_db, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A table with a primary key resumes after its last copied key, from a new snapshot; the changes
     made in between (to rows copied before and after the kill, and new rows) land once."""
-    server, dbname = db18
+    server, dbname = any_db
     conninfo = server.conninfo(dbname)
     warehouse = str(tmp_path / "wh")
     config_path = tmp_path / "snap.yaml"
