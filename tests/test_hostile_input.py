@@ -54,10 +54,12 @@ def run_subprocess(*argv: str, memory_bytes: int = 2 * 1024**3, timeout: float =
 
 def _decode_component(encoded: str) -> str:
     """The inverse of path_component: its existence is what makes the encoding injective."""
+    if encoded == "~":
+        return ""
     out = bytearray()
     i = 0
     while i < len(encoded):
-        if encoded[i] == "%":
+        if encoded[i] == "~":
             out += bytes.fromhex(encoded[i + 1:i + 3])
             i += 3
         else:
@@ -67,7 +69,7 @@ def _decode_component(encoded: str) -> str:
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.text(min_size=1, max_size=40))
+@given(st.text(max_size=40))
 def test_path_component_is_one_safe_component_and_injective(identifier: str) -> None:
     encoded = path_component(identifier)
     assert _decode_component(encoded) == identifier
@@ -78,7 +80,7 @@ def test_path_component_is_one_safe_component_and_injective(identifier: str) -> 
 
 @pytest.mark.parametrize("schema,table", [
     ("..", "escape"), ("/tmp/x", "t"), ("a/../..", "t"), ("public", ".."), ("public", "../../etc"), (".", "."),
-    ("\\..\\", "t"), ("x\0y", "t"), (".hidden", "t"), ("%2E.", "t"),
+    ("\\..\\", "t"), ("x\0y", "t"), (".hidden", "t"), ("~2E.", "t"), ("%2E.", "t"),
 ])
 def test_every_identifier_lands_under_the_warehouse(tmp_path: Path, schema: str, table: str) -> None:
     warehouse = tmp_path / "wh"
@@ -87,7 +89,7 @@ def test_every_identifier_lands_under_the_warehouse(tmp_path: Path, schema: str,
     resolved = Path(location).resolve()
     assert resolved.is_relative_to(warehouse.resolve()) and resolved.parent.parent == warehouse.resolve()
     assert ApplyOptions(warehouse=str(warehouse)).default_target("..", "t") != \
-        ApplyOptions(warehouse=str(warehouse)).default_target("%2E.", "t")
+        ApplyOptions(warehouse=str(warehouse)).default_target("~2E.", "t")
 
 
 def test_plain_names_keep_their_paths(tmp_path: Path) -> None:

@@ -37,25 +37,27 @@ class TargetPathError(CdcApplyError):
     """A target location that would lie outside the warehouse."""
 
 
-# Path separators, the escape itself, and what Hadoop paths or globs read specially (":" makes a URI scheme).
-_ENCODED_PATH_CHARACTERS = frozenset('%/\\:*?[]{}#"<>|')
+# The escape itself, path separators, what Hadoop paths or globs read specially (":" makes a URI
+# scheme) and "%", which delta-rs percent-decodes in a table's path (so "%" cannot be the escape).
+PATH_ESCAPE = "~"
+_ENCODED_PATH_CHARACTERS = frozenset('~%/\\:*?[]{}#"<>|')
 
 
 def path_component(identifier: str) -> str:
     """A PostgreSQL identifier as one safe path component, injectively (docs/apply.md, "Target paths").
 
     Printable characters stay as they are, so ``public``, ``order_items`` and ``Mixed Case`` keep
-    their names; ``%``, path separators, characters Hadoop paths and globs read specially, anything
-    unprintable and a leading dot become ``%XX`` per UTF-8 byte: ``..`` becomes ``%2E.``, ``a/b``
-    becomes ``a%2Fb``.
+    their names; ``~`` (the escape), ``%``, path separators, characters Hadoop paths and globs read
+    specially, anything unprintable and a leading dot become ``~XX`` per UTF-8 byte: ``..`` becomes
+    ``~2E.``, ``a/b`` becomes ``a~2Fb``.
     """
     out = []
     for position, character in enumerate(identifier):
         if character in _ENCODED_PATH_CHARACTERS or not character.isprintable() or (character == "." and position == 0):
-            out.append("".join(f"%{byte:02X}" for byte in character.encode("utf-8", "surrogatepass")))
+            out.append("".join(f"{PATH_ESCAPE}{byte:02X}" for byte in character.encode("utf-8", "surrogatepass")))
         else:
             out.append(character)
-    return "".join(out) or "%"
+    return "".join(out) or PATH_ESCAPE  # an empty name (never a PostgreSQL one): "~" alone, which no name encodes to
 
 
 @dataclass(frozen=True)
