@@ -78,7 +78,9 @@ class Load:
         while not self.stop.is_set():
             try:
                 self._session(session)
-            except psycopg.OperationalError:
+            except (psycopg.OperationalError, psycopg.Rollback):
+                # A savepoint's Rollback escapes its ``transaction()`` block only when the connection
+                # broke under it (psycopg cannot roll back on a dead connection): a lost connection too.
                 self.reconnects += 1
                 self.stop.wait(0.5)
             except BaseException as exc:  # noqa: BLE001 - reported by finish()
