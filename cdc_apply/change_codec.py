@@ -46,11 +46,14 @@ class ColumnCodec:
     def conversion_error(self, where: str, exc: Exception) -> CdcApplyError:
         """A located error for a value of this column; for a valid value the type cannot hold, it
         names the config key that keeps it as text."""
-        hint = ""
-        if isinstance(exc, UnrepresentableValueError):
-            hint = (f"; to keep it, set tables.\"{self.table}\".columns.\"{self.name}\".type: string in the config "
-                    "(docs/apply.md, \"Values a column's type cannot hold\")")
+        hint = keep_as_text_hint(self.table, self.name) if isinstance(exc, UnrepresentableValueError) else ""
         return CdcApplyError(f"{where}: column {self.name!r} ({self.pg_type.name}): {exc}{hint}")
+
+
+def keep_as_text_hint(table: str, column: str) -> str:
+    """The config key that keeps a column's values as PostgreSQL's text, for an error to name."""
+    return (f"; to keep it, set tables.\"{table}\".columns.\"{column}\".type: string in the config "
+            "(docs/apply.md, \"Values a column's type cannot hold\")")
 
 
 @dataclass

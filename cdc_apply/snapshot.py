@@ -130,8 +130,7 @@ class Snapshotter:
                 last = chunk[-1].values
                 after = [last[i].decode() for i in positions]  # type: ignore[union-attr]
                 copied = {"since_lsn": format_lsn(since), "consistent_lsn": format_lsn(snapshot.consistent_lsn),
-                          "key": list(key), "after": after, "rows": rows,
-                          "columns": [[c.name, c.type_oid, c.typmod] for c in relation.columns]}
+                          "key": list(key), "after": after, "rows": rows, "columns": _column_signature(relation)}
                 self.applier.apply([Transaction(0, chunk_version, chunk_version, commit_ts, changes, kind="snapshot")],
                                    snapshot=True, copy_progress=copied if key else None)
                 advance(len(chunk))
@@ -161,7 +160,11 @@ def _copy_progress(target: Target, key: tuple[str, ...], relation: m.Relation) -
     except ValueError:
         return None
     copied = metadata.get("copy") if metadata.get("cdc_apply") == "snapshot" else None
-    columns = [[c.name, c.type_oid, c.typmod] for c in relation.columns]
-    if not copied or copied.get("key") != list(key) or copied.get("columns") != columns:
+    if not copied or copied.get("key") != list(key) or copied.get("columns") != _column_signature(relation):
         return None
     return copied
+
+
+def _column_signature(relation: m.Relation) -> list[list[object]]:
+    """What a resumed copy must find unchanged: every column's name, type OID and typmod."""
+    return [[c.name, c.type_oid, c.typmod] for c in relation.columns]

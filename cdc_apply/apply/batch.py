@@ -35,6 +35,7 @@ from cdc_apply.apply.schema import (
 )
 from cdc_apply.apply.targets import SourceState, Target, TargetRegistry, metadata_columns
 from cdc_apply.assemble import Transaction
+from cdc_apply.change_codec import keep_as_text_hint
 from cdc_apply.changes import ChangeRowBuilder, TableChanges
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.failpoints import failpoint
@@ -293,9 +294,8 @@ class BatchApplier:
         except ValueDoesNotFitError as exc:
             source = next((name for name, column in state.column_map().items() if column == exc.column), exc.column)
             raise CdcApplyError(f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."
-                                f"{format_lsn(collapsed.last_lsn or 0)}): {exc}; to keep it, set "
-                                f"tables.\"{qualified}\".columns.\"{source}\".type: string in the config "
-                                "(docs/apply.md, \"Values a column's type cannot hold\")") from None
+                                f"{format_lsn(collapsed.last_lsn or 0)}): {exc}"
+                                f"{keep_as_text_hint(qualified, source)}") from None
         result.ops = collapsed.op_counts
         result.keys_written = len(collapsed.states)
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn

@@ -82,17 +82,23 @@ class Collapser:
         self._key_columns = key_columns
         self._row_numbers = itertools.count()
 
-    def add(self, row: Mapping[str, Any], column_map: Mapping[str, str | None] | None = None) -> None:
-        op = row["op"]
-        lsn, ts = row["commit_lsn"], row["commit_ts"]
+    def _counted(self, row: Mapping[str, Any]) -> bool:
+        """Counts the change and spans the batch's LSNs; True when it was a truncate (applied here)."""
+        op, lsn = row["op"], row["commit_lsn"]
         result = self.result
         result.op_counts[op] += 1
         if result.first_lsn is None:
             result.first_lsn = lsn
         result.last_lsn = lsn
         if op == "T":
-            self._truncate(TruncateMark(lsn, ts, row["truncate_options"] or 0))
+            self._truncate(TruncateMark(lsn, row["commit_ts"], row["truncate_options"] or 0))
+        return op == "T"
+
+    def add(self, row: Mapping[str, Any], column_map: Mapping[str, str | None] | None = None) -> None:
+        if self._counted(row):
             return
+        op = row["op"]
+        lsn, ts = row["commit_lsn"], row["commit_ts"]
         if op != "I" and not self._key_columns:
             raise CdcApplyError(
                 f"{self.table}, LSN {format_lsn(lsn)} (transaction {row['xid']}, change {row['seq']}): an "
@@ -160,6 +166,8 @@ class Collapser:
 
     def _truncate(self, mark: TruncateMark) -> None:
         self.result.states.clear()
+        if self.result.multiplicity is not None:
+            self.result.multiplicity.clear()
         self.result.truncate = mark
 
     def rename_columns(self, renamed: Mapping[str, str]) -> None:
@@ -211,19 +219,12 @@ class MultisetCollapser(Collapser):
         self.result.multiplicity = {}
 
     def add(self, row: Mapping[str, Any], column_map: Mapping[str, str | None] | None = None) -> None:
+        if self._counted(row):
+            return
         op = row["op"]
         lsn, ts = row["commit_lsn"], row["commit_ts"]
-        result = self.result
-        counts = result.multiplicity
+        counts = self.result.multiplicity
         assert counts is not None
-        result.op_counts[op] += 1
-        if result.first_lsn is None:
-            result.first_lsn = lsn
-        result.last_lsn = lsn
-        if op == "T":
-            counts.clear()
-            self._truncate(TruncateMark(lsn, ts, row["truncate_options"] or 0))
-            return
         old = _renamed(row["old"], column_map) or _renamed(row["key"], column_map)
         if op in ("U", "D"):
             key = self._key(old, row, "old")

@@ -66,15 +66,9 @@ def _apply(target: Target, action: TargetAction, types: dict[str, str]) -> None:
             spark.sql(f"ALTER TABLE {table} DROP COLUMN {quote(action.column)}")
     elif isinstance(action, RetypeTargetColumn):
         if types.get(action.column) != action.spark_type:
-            from pyspark.sql import functions as F
-
             frame = target.read()
             frame = frame.withColumn(action.column, _retyped(frame, action.column, action.spark_type))
-            writer = frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
-            if target.by_name:
-                writer.saveAsTable(target.location)
-            else:
-                writer.save(target.location)
+            target.write(frame, "overwrite", overwriteSchema="true")
 
 
 def _retyped(frame, column: str, spark_type: str):  # type: ignore[no-untyped-def]

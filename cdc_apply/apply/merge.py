@@ -155,7 +155,7 @@ def _append(target: Target, source: DataFrame, collapsed: Collapsed, options: Ta
     rows = source.where(f"{OP} = 'U'").drop(OP, KEEP)
     if options.delete_mode == "soft":
         rows = rows.withColumn(DELETED, F.lit(False))
-    _write(target, rows, "overwrite" if collapsed.truncate else "append")
+    target.write(rows, "overwrite" if collapsed.truncate else "append")
 
 
 def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str]) -> None:
@@ -179,7 +179,7 @@ def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[st
             if delta < 0:
                 raise CdcApplyError(f"{where}: a row removed after the truncate was never there")
             copies(key, delta)
-        _write(target, _entries_frame(target.spark, entries, data_types).drop(OP), "overwrite")
+        target.write(_entries_frame(target.spark, entries, data_types).drop(OP), "overwrite")
         return
     removing = [key for key, delta in counts.items() if delta < 0]
     current = _target_counts(target, removing, keys, data_types) if removing else {}
@@ -196,7 +196,7 @@ def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[st
         entries.append((dict(zip(keys, key)), "D", state.commit_lsn, state.commit_ts))
     source = _entries_frame(target.spark, entries, data_types)
     if not removing:
-        _write(target, source.drop(OP), "append")
+        target.write(source.drop(OP), "append")
         return
     from pyspark.sql import functions as F
 
@@ -229,14 +229,6 @@ def _target_counts(target: Target, wanted: list[Key], keys: Sequence[str],
     joined = table.join(probe, on=[table[quote(k)].eqNullSafe(probe[quote(k)]) for k in keys], how="inner")
     found = joined.groupBy(probe["_cdc_i"]).agg(F.count(F.lit(1)).alias("n")).collect()
     return {wanted[row["_cdc_i"]]: int(row["n"]) for row in found}
-
-
-def _write(target: Target, frame: DataFrame, mode: str) -> None:
-    writer = frame.write.format("delta").mode(mode)
-    if target.by_name:
-        writer.saveAsTable(target.location)
-    else:
-        writer.save(target.location)
 
 
 def _merge(target: Target, source: DataFrame, collapsed: Collapsed, data_types: Mapping[str, str],

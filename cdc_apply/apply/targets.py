@@ -155,12 +155,16 @@ class Target:
         """An empty commit whose only news is ``app_id`` reaching ``version`` (Delta's SetTransaction)."""
         from cdc_apply.apply.sessionconf import delta_commit_conf
 
-        writer = self.read().limit(0).write.format("delta").mode("append")
         with delta_commit_conf(self.spark, app_id, version, user_metadata):
-            if self.by_name:
-                writer.saveAsTable(self.location)
-            else:
-                writer.save(self.location)
+            self.write(self.read().limit(0), "append")
+
+    def write(self, frame: DataFrame, mode: str, **options: str) -> None:
+        """``frame`` written to this table (``append`` or ``overwrite``), by path or by name."""
+        writer = frame.write.format("delta").mode(mode).options(**options)
+        if self.by_name:
+            writer.saveAsTable(self.location)
+        else:
+            writer.save(self.location)
 
     def create(self, state: SourceState, data_types: Mapping[str, str], options: TableOptions,
                table_properties: Mapping[str, str]) -> None:
