@@ -120,11 +120,34 @@ def _cmd_stream(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from cdc_apply.config import load_config
-    from cdc_apply.pipeline import slot_status
+    from cdc_apply.status import pipeline_status, watch
 
-    status = slot_status(load_config(args.config))
-    print(json.dumps(status))
-    return EXIT_OK if status["exists"] else EXIT_FAILURE
+    config = load_config(args.config)
+    if args.watch:
+        try:
+            watch(config, refreshes=args.refreshes)
+        except KeyboardInterrupt:
+            pass
+        return EXIT_OK
+    status = pipeline_status(config)
+    print(json.dumps(status, indent=1))
+    return EXIT_OK if status["slot"]["exists"] else EXIT_FAILURE
+
+
+def _cmd_resync(args: argparse.Namespace) -> int:
+    from cdc_apply.apply import build_spark_session
+    from cdc_apply.config import load_config
+    from cdc_apply.resync import published_oids, resync
+
+    if not args.all and not args.table:
+        print("cdc-apply resync: give --table schema.table (repeatable) or --all", file=sys.stderr)
+        return EXIT_USAGE
+    config = load_config(args.config)
+    oids = published_oids(config, None if args.all else args.table)  # a wrong name fails before Spark starts
+    copied = resync(config, build_spark_session(config.spark), oids)
+    for table in copied:
+        print(f"resync {table.table}: {table.rows} rows at {format_lsn(table.consistent_lsn)} in {table.seconds:.1f} s")
+    return EXIT_OK
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
@@ -180,8 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     stream = verb("stream", _cmd_stream, "a Structured Streaming query: format(\"pgoutput\") -> foreachBatch -> Delta")
     stream.add_argument("--config", required=True, help="YAML config file")
-    status = verb("status", _cmd_status, "print the slot's confirmed position and lag as JSON")
+    status = verb("status", _cmd_status, "the slot's health and each table's applied position, as JSON "
+                                         "(exit 1 when the slot does not exist)")
     status.add_argument("--config", required=True, help="YAML config")
+    status.add_argument("--watch", action="store_true",
+                        help="redraw in the terminal every second (rates and lag from metrics.port when set)")
+    status.add_argument("--refreshes", type=int, default=None, help="--watch: stop after this many redraws")
+
+    resync = verb("resync", _cmd_resync, "copy tables again from a new snapshot; the slot keeps its position "
+                                         "(stop the running pipeline first)")
+    resync.add_argument("--config", required=True, help="YAML config")
+    which = resync.add_mutually_exclusive_group()
+    which.add_argument("--table", action="append", metavar="SCHEMA.TABLE", help="a published table (repeatable)")
+    which.add_argument("--all", action="store_true", help="every published table (after an invalidated slot)")
 
     capture = verb("capture", _cmd_capture, "write a slot's changes to a capture file (.jsonl or .parquet)")
     capture.add_argument("--config", required=True, help="YAML config")

@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cdc_apply.errors import CdcApplyError
 
@@ -61,6 +61,10 @@ class SourceConfig(_Strict):
     messages: bool = False
     origin: Literal["any", "none"] | None = None
     skip_origins: list[str] = []
+    # Slot health (docs/operations.md): WAL the slot may hold back before on_retained_wal applies.
+    max_retained_wal: ByteSize | None = Field(None, ge=1, le=2**62)  # bytes, or "20GB", "512MiB"
+    on_retained_wal: Literal["warn", "stop"] = "warn"
+    health_interval_seconds: float = Field(30.0, gt=0, le=MAX_SECONDS)
 
     @field_validator("slot")
     @classmethod
@@ -191,6 +195,13 @@ class StreamConfig(_Strict):
     max_changes_per_trigger: int | None = Field(None, ge=1, le=MAX_CHANGES)  # None: batching.max_changes
 
 
+class MetricsConfig(_Strict):
+    """Prometheus metrics and /healthz of `run --follow` and `stream` (docs/operations.md)."""
+
+    port: int | None = Field(None, ge=0, le=65535)  # None: off; 0: any free port (logged)
+    host: str = "127.0.0.1"
+
+
 class Config(_Strict):
     pipeline: str = Field("cdc_apply", pattern=r"^[A-Za-z0-9_.\-]+$")
     source: SourceConfig = SourceConfig()
@@ -200,6 +211,7 @@ class Config(_Strict):
     batching: BatchingConfig = BatchingConfig()
     snapshot: SnapshotConfig = SnapshotConfig()
     stream: StreamConfig = StreamConfig()
+    metrics: MetricsConfig = MetricsConfig()
     spark: dict[str, str] = {}
 
 

@@ -14,6 +14,9 @@ Invariants:
   that were applied but not yet confirmed.
 - While a batch is applied, a heartbeat thread keeps sending the last confirmed position, so a
   long MERGE does not trip ``wal_sender_timeout``.
+- Slot health (``sources.health``) is checked before each replication connection and every
+  ``source.health_interval_seconds`` while it is open; an unusable slot stops the run, it is never
+  retried. Every status update sent is the metrics' liveness beat (``/healthz``).
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from cdc_apply.assemble import Assembler, Transaction
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
+from cdc_apply.metrics import MetricsServer, PipelineMetrics
 from cdc_apply.pgoutput.framing import Keepalive
 from cdc_apply.pipeline import RunSummary, StopFlag, prepare_source
 from cdc_apply.snapshot import Snapshotter
 from cdc_apply.sources.catalog import SourceCatalog
+from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import PgOutputOptions
 from cdc_apply.sources.snapshot import SnapshotLost
@@ -58,10 +63,25 @@ class LiveReplicator:
         self.stop = stop
         self.applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(config.source.conninfo()).missing_value)
         self.snapshotter = Snapshotter(config, self.applier)
-        self.summary = RunSummary()
+        self.metrics = PipelineMetrics(config.pipeline, STATUS_INTERVAL_S)
+        self.metrics_server: MetricsServer | None = None
+        self.health = HealthMonitor(config.source, self.metrics)
+        self.summary = RunSummary(metrics=self.metrics)
         self.confirmed = 0
 
     def run(self) -> RunSummary:
+        if self.config.metrics.port is not None:
+            self.metrics_server = MetricsServer(self.metrics, self.config.metrics.host, self.config.metrics.port)
+        try:
+            return self._run()
+        except BaseException as exc:
+            self.metrics.error(exc)
+            raise
+        finally:
+            if self.metrics_server is not None:
+                self.metrics_server.close()
+
+    def _run(self) -> RunSummary:
         options = prepare_source(self.config)
         backoff = BACKOFF_START_S
         copied = False
@@ -74,6 +94,7 @@ class LiveReplicator:
                     backoff = BACKOFF_START_S
             except (StreamLost, SnapshotLost, psycopg.OperationalError) as exc:  # the server went away: retry
                 self.summary.reconnects += 1
+                self.metrics.reconnected(exc)
                 log.warning("%s; reconnecting in %.1f s", exc, backoff)
                 self.stop.event.wait(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
@@ -82,7 +103,13 @@ class LiveReplicator:
     def _session(self, options: PgOutputOptions) -> bool:
         """One replication connection, until stopped or lost. True when it applied something."""
         source, batching = self.config.source, self.config.batching
-        stream = WalSenderStream(source.conninfo(), source.slot, options)
+        health_conn = psycopg.connect(source.conninfo(), autocommit=True, connect_timeout=10)
+        try:
+            self.health.check(health_conn, starting=True)
+            stream = WalSenderStream(source.conninfo(), source.slot, options, on_status=self.metrics.beat)
+        except BaseException:
+            health_conn.close()
+            raise
         assembler = Assembler(spill_bytes=batching.spill_bytes, skip_origins=source.skip_origins)
         pending: list[Transaction] = []
         pending_changes = 0
@@ -112,6 +139,7 @@ class LiveReplicator:
                                 pending_since = time.monotonic()
                             pending.append(event)
                             pending_changes += len(event.changes)
+                            self.metrics.received_changes(len(event.changes))
                 if pending and (pending_changes >= batching.max_changes
                                 or time.monotonic() - pending_since >= batching.max_seconds):
                     failpoint("after_decode")
@@ -124,12 +152,15 @@ class LiveReplicator:
                         reply = False
                 if reply or time.monotonic() - stream.last_status_at >= STATUS_INTERVAL_S:
                     stream.send_status(self.confirmed)
+                if self.health.due():
+                    self.health.check(health_conn, own_pid=stream.conn.pgconn.backend_pid)
             if pending:  # stopping: finish what was received, so a clean stop loses no work
                 self._apply(stream, assembler, pending)
                 progressed = True
         finally:
             assembler.close()
             stream.close()
+            health_conn.close()
         return progressed
 
     def _apply(self, stream: WalSenderStream, assembler: Assembler, batch: list[Transaction]) -> None:
@@ -145,6 +176,7 @@ class LiveReplicator:
         stream.send_status(lsn)
         self.confirmed = lsn
         self.summary.confirmed_lsn = lsn
+        self.metrics.confirmed_to(lsn)
         log.debug("confirmed slot %s to %s", self.config.source.slot, format_lsn(lsn))
 
 

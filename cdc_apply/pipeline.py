@@ -29,10 +29,12 @@ from cdc_apply.apply.options import apply_options
 from cdc_apply.assemble import Assembler, Transaction
 from cdc_apply.config import Config
 from cdc_apply.lsn import format_lsn, parse_lsn, pg_us_to_unix_us
+from cdc_apply.metrics import PipelineMetrics
 from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.failpoints import failpoint
 from cdc_apply.snapshot import Snapshotter, TableSnapshot
 from cdc_apply.sources.catalog import SourceCatalog
+from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sources.slot import (
     PgOutputOptions, advance_slot, confirmed_flush, read_changes, server_version_num,
 )
@@ -53,11 +55,15 @@ class RunSummary:
     snapshots: list[TableSnapshot] = field(default_factory=list)
     lag_seconds: list[float] = field(default_factory=list)  # commit in PostgreSQL -> visible in Delta
     reconnects: int = 0
+    metrics: PipelineMetrics | None = None  # told every batch, when the run exports metrics
 
     def record(self, result: BatchResult, transactions: list[Transaction]) -> None:
         visible_at = time.time()
         self.batches.append(result)
-        self.lag_seconds += [visible_at - pg_us_to_unix_us(t.commit_ts) / 1e6 for t in transactions]
+        lags = [visible_at - pg_us_to_unix_us(t.commit_ts) / 1e6 for t in transactions]
+        self.lag_seconds += lags
+        if self.metrics is not None:
+            self.metrics.batch_applied(result, transactions, lags)
 
     def lag_percentile(self, fraction: float) -> float | None:
         if not self.lag_seconds:
@@ -94,6 +100,7 @@ def _prepare(conn: psycopg.Connection, config: Config) -> PgOutputOptions:
     """Check the source, create what the config asks for, and choose the protocol options."""
     check_source(conn, config.source, _has_configured_keys(config))
     ensure_publication_and_slot(conn, config.source)
+    HealthMonitor(config.source).check(conn, starting=True)
     return protocol_options(config.source, server_version_num(conn))
 
 
@@ -141,19 +148,6 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
             limit = config.batching.max_changes
             log.info("confirmed slot %s to %s", source.slot, format_lsn(confirm))
     return summary
-
-
-def slot_status(config: Config) -> dict[str, object]:
-    with psycopg.connect(config.source.conninfo(), autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT confirmed_flush_lsn::text, pg_current_wal_lsn()::text, "
-            "pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, active, two_phase "
-            "FROM pg_replication_slots WHERE slot_name = %s", (config.source.slot,)).fetchone()
-    if row is None:
-        return {"slot": config.source.slot, "exists": False}
-    return {"slot": config.source.slot, "exists": True, "confirmed_flush_lsn": row[0], "current_wal_lsn": row[1],
-            "lag_bytes": row[2], "active": row[3], "two_phase": row[4]}
-
 
 
 def capture(config: Config, out: str, *, consume: bool = False) -> tuple[int, str]:

@@ -19,16 +19,23 @@ Invariants:
   consistent point), so nothing committed after the copy is lost. This also holds for a table
   added to the publication later: its first streamed changes trigger its own snapshot, and the
   changes that the copy already holds are skipped by the version.
+- A resync (``resync``) first leaves a mark (``<warehouse>/_cdc_apply/resync/<pipeline>/<oid>``),
+  then replaces the target with an empty one of today's schema, copies, records the new version,
+  and removes the mark last. While the mark exists the target counts as not in sync, so a resync
+  cut short is finished by the next ``resync`` or run, which resumes it like any copy; the old
+  version never vouches for a half-copied table.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 import psycopg
 
@@ -55,22 +62,54 @@ class TableSnapshot:
     seconds: float
 
 
+class ResyncMarks:
+    """Tables whose re-copy was asked for and has not finished: one empty file per relation OID."""
+
+    def __init__(self, warehouse: str, pipeline: str) -> None:
+        self.directory = Path(warehouse) / "_cdc_apply" / "resync" / pipeline
+
+    def _path(self, oid: int) -> Path:
+        return self.directory / str(oid)
+
+    def add(self, oid: int) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self._path(oid), "w") as handle:
+            os.fsync(handle.fileno())
+
+    def pending(self, oid: int) -> bool:
+        return self._path(oid).exists()
+
+    def remove(self, oid: int) -> None:
+        self._path(oid).unlink(missing_ok=True)
+
+
 class Snapshotter:
     def __init__(self, config: Config, applier: BatchApplier) -> None:
         self.config = config
         self.applier = applier
+        self.resyncs = ResyncMarks(applier.options.warehouse, config.pipeline)
 
     def needs_copy(self, table: PublishedTable) -> bool:
         relation = table.relation
         options = self.applier.options.for_table(relation.namespace, relation.name)
         if not options.include:
             return False
+        if self.resyncs.pending(relation.oid):
+            return True
         target, _ = self.applier.target(relation, options)
         return not target.exists() or target.committed_version(self.applier.app_id(relation.oid)) is None
 
-    def sync(self, only_oids: Iterable[int] | None = None) -> list[TableSnapshot]:
-        """Copy every published table (or those of ``only_oids``) whose target is not in sync."""
-        if not self.config.snapshot.enabled:
+    def resync(self, oids: Iterable[int]) -> list[TableSnapshot]:
+        """Copy these tables again from a new snapshot, whatever their targets hold."""
+        oids = list(oids)
+        for oid in oids:
+            self.resyncs.add(oid)
+        return self.sync(oids, forced=True)
+
+    def sync(self, only_oids: Iterable[int] | None = None, forced: bool = False) -> list[TableSnapshot]:
+        """Copy every published table (or those of ``only_oids``) whose target is not in sync.
+        ``forced``: also when ``snapshot.enabled`` is false (a resync asked for by name)."""
+        if not self.config.snapshot.enabled and not forced:
             return []
         wanted = set(only_oids) if only_oids is not None else None
         conninfo = self.config.source.conninfo()
@@ -114,7 +153,9 @@ class Snapshotter:
         resumed = _copy_progress(target, key, relation) if existed else None
         if resumed is not None and self._slot_confirmed() > parse_lsn(resumed["since_lsn"]):  # type: ignore[arg-type]
             resumed = None  # the slot no longer holds the changes since the first rows: copy again
-        if existed and resumed is None:
+        if existed and resumed is None and self.resyncs.pending(relation.oid):
+            target = self.applier.recreate_target(relation, (chunk_version, 0))  # today's schema, no rows
+        elif existed and resumed is None:
             target.clear()  # a copy that was cut short, and cannot be resumed
         since = parse_lsn(resumed["since_lsn"]) if resumed else snapshot.consistent_lsn
         after: list[str] | None = resumed["after"] if resumed else None
@@ -143,6 +184,7 @@ class Snapshotter:
         version = since - 1
         target.record_version(self.applier.app_id(relation.oid), version, json.dumps(
             {"cdc_apply": "snapshot complete", "rows": rows, "consistent_lsn": format_lsn(since)}))
+        self.resyncs.remove(relation.oid)
         seconds = time.perf_counter() - started
         log.info("snapshot of %s: %d rows in %.1f s", table.qualified_name, rows, seconds)
         return TableSnapshot(table.qualified_name, rows, snapshot.consistent_lsn, seconds)

@@ -3,6 +3,10 @@
 ``spark.readStream.format("pgoutput")`` with the config's ``source`` keys as options, written
 with ``foreachBatch(foreach_batch(config))``, checkpointed at ``stream.checkpoint_location``.
 On SIGTERM/SIGINT the running micro-batch finishes, then the query stops (exit 0).
+
+While it runs, the slot's health is checked every ``source.health_interval_seconds`` (an unusable
+slot stops the query), and with ``metrics.port`` the metrics and ``/healthz`` are served: the
+liveness beat is a finished trigger, or an idle query.
 """
 
 from __future__ import annotations
@@ -13,9 +17,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from cdc_apply.spark.foreach import foreach_batch
+import psycopg
+
 from cdc_apply.config import Config, SourceConfig
-from cdc_apply.pipeline import StopFlag
+from cdc_apply.metrics import MetricsServer, PipelineMetrics
+from cdc_apply.pipeline import StopFlag, prepare_source
+from cdc_apply.sources.health import HealthMonitor
+from cdc_apply.spark.foreach import foreach_batch
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -59,11 +67,12 @@ def start_stream(config: Config, spark: SparkSession) -> StreamingQuery: ...
 def start_stream(config: Config, spark: SparkSession, with_function: Literal[True]) -> tuple[StreamingQuery, Any]: ...
 
 
-def start_stream(config: Config, spark: SparkSession, with_function: bool = False) -> Any:
+def start_stream(config: Config, spark: SparkSession, with_function: bool = False,
+                 metrics: PipelineMetrics | None = None) -> Any:
     """The query; with ``with_function`` also its foreach_batch function (``.summary``: batches, lag)."""
     limit = config.stream.max_changes_per_trigger or config.batching.max_changes
     reader = spark.readStream.format("pgoutput").options(**source_options(config.source, limit))
-    apply = foreach_batch(config)
+    apply = foreach_batch(config, metrics=metrics)
     writer = (reader.load().writeStream.foreachBatch(apply).queryName(config.pipeline)
               .option("checkpointLocation", checkpoint_location(config)))
     if config.stream.trigger == "available_now":
@@ -76,9 +85,24 @@ def start_stream(config: Config, spark: SparkSession, with_function: bool = Fals
     return (query, apply) if with_function else query
 
 
-def run_stream(config: Config, spark: SparkSession, stop: StopFlag) -> list[dict[str, Any]]:
+def stream_beat_interval(config: Config) -> float:
+    """How long a trigger may take before /healthz calls the query wedged (half of it, doubled there)."""
+    return max(config.stream.interval_seconds, STREAM_BEAT_FLOOR_S)
+
+
+STREAM_BEAT_FLOOR_S = 30.0
+
+
+def run_stream(config: Config, spark: SparkSession, stop: StopFlag,
+               metrics: PipelineMetrics | None = None) -> list[dict[str, Any]]:
     """Runs until the query ends (available_now) or a stop is asked; returns the batches' progress."""
-    query = start_stream(config, spark)
+    metrics = metrics or PipelineMetrics(config.pipeline, stream_beat_interval(config))
+    server = (MetricsServer(metrics, config.metrics.host, config.metrics.port)
+              if config.metrics.port is not None else None)
+    health = HealthMonitor(config.source, metrics)
+    prepare_source(config)  # what the data source would create, and the slot's health, before Spark starts
+    query = start_stream(config, spark, metrics=metrics)
+    last_progress: object = None
     try:
         while query.isActive:
             if stop.event.wait(0.5):
@@ -86,9 +110,22 @@ def run_stream(config: Config, spark: SparkSession, stop: StopFlag) -> list[dict
                     time.sleep(0.2)
                 query.stop()
                 break
+            progress = query.lastProgress
+            stamp = progress["timestamp"] if progress else None
+            if stamp != last_progress or not query.status["isTriggerActive"]:
+                metrics.beat()
+                last_progress = stamp
+            if health.due():
+                with psycopg.connect(config.source.conninfo(), autocommit=True) as conn:
+                    health.check(conn)
         if query.exception() is not None:
             raise query.exception()  # type: ignore[misc]
+    except BaseException as exc:
+        metrics.error(exc)
+        raise
     finally:
         if query.isActive:
             query.stop()
+        if server is not None:
+            server.close()
     return [progress for progress in query.recentProgress if progress["numInputRows"] or progress["batchId"] == 0]

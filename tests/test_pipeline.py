@@ -10,7 +10,8 @@ import pytest
 
 from cdc_apply.config import parse_config
 from cdc_apply.pgserver import PgServer, available_bindirs
-from cdc_apply.pipeline import drain, slot_status
+from cdc_apply.pipeline import drain
+from cdc_apply.status import pipeline_status
 from cdc_apply.sources.preflight import PreflightError
 from tests.delta_oracle import delta_rows, source_types
 from tests.reference_apply import postgres_rows
@@ -70,8 +71,12 @@ def test_runs_apply_everything_and_never_confirm_past_a_prepared_transaction(db1
         third = drain(config, spark)
         assert third.batches
         _assert_equal(spark, conn, warehouse)  # the prepared changes were kept for their commit
-        status = slot_status(config)
-        assert status["exists"] and status["two_phase"] and status["lag_bytes"] < 1_000_000
+        status = pipeline_status(config)
+        slot = status["slot"]
+        assert slot["exists"] and slot["two_phase"] and slot["unconfirmed_bytes"] < 1_000_000
+        assert slot["wal_status"] == "reserved" and slot["active_pid"] is None
+        applied = {row["table"]: row["applied_lsn"] for row in status["tables"]}
+        assert applied["public.orders"] is not None and applied["public.events"] is not None
 
         nothing = drain(config, spark)
         assert not nothing.batches and nothing.confirmed_lsn is None
@@ -113,12 +118,14 @@ def test_capture_status_and_run_verbs(db18, tmp_path) -> None:  # type: ignore[n
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["messages"] == 8 and manifest["options"]["publication_names"] == '"shop pub"'
     before = json.loads(_cli("status", "--config", str(config)).stdout)
-    assert before["lag_bytes"] > 0
+    assert before["slot"]["unconfirmed_bytes"] > 0 and before["publication"] == {"name": "shop pub", "exists": True}
     run = _cli("run", "--config", str(config), "--once")
     assert run.returncode == 0, run.stderr
     assert "public.orders" in run.stdout and "I        2 U        0 D        1" in run.stdout
     after = json.loads(_cli("status", "--config", str(config)).stdout)
-    assert after["confirmed_flush_lsn"] != before["confirmed_flush_lsn"]
+    assert after["slot"]["confirmed_flush_lsn"] != before["slot"]["confirmed_flush_lsn"]
+    applied = {row["table"]: row["applied_lsn"] for row in after["tables"]}
+    assert applied["public.orders"] and applied["public.events"] is None  # events had no change to apply
 
 
 def test_add_column_default_reaches_rows_that_existed_before(db18, spark, tmp_path):  # type: ignore[no-untyped-def]

@@ -307,16 +307,24 @@ class BatchApplier:
         return [(name, spark_type) for name, spark_type in relation_columns(relation, self.rows.types)
                 if options.keeps_column(name)]
 
+    def recreate_target(self, relation: m.Relation, position: tuple[int, int]) -> Target:
+        """The relation's target replaced by an empty one with today's schema (a resync's first step)."""
+        options = self.options.for_table(relation.namespace, relation.name)
+        target, _ = self.target(relation, options)
+        self._create(target, relation, options, position, replace=True)
+        return target
+
     def _create(self, target: Target, relation: m.Relation, options: TableOptions,
-                position: tuple[int, int]) -> SourceState:
+                position: tuple[int, int], replace: bool = False) -> SourceState:
         current = self._columns(relation, options)
         columns = initial_columns(current, reserved=[name for name, _ in metadata_columns(options)])
         targets = {col.name: col.target for col in columns}
         keys = self._keys(relation, options, set(targets))
         state = SourceState(relation.oid, relation.namespace, relation.name,
                             tuple(targets[k] for k in keys), columns, position)  # type: ignore[misc]
-        target.create(state, dict(current), options, self.options.table_properties)
-        log.info("created %s for %s.%s (keys %s)", target.location, relation.namespace, relation.name, keys)
+        target.create(state, dict(current), options, self.options.table_properties, replace)
+        log.info("%s %s for %s.%s (keys %s)", "replaced" if replace else "created", target.location,
+                 relation.namespace, relation.name, keys)
         return state
 
     def _backfills(self, relation: m.Relation, added: list[ColumnAdded], targets: dict[str, str | None],

@@ -167,7 +167,10 @@ class Target:
             writer.save(self.location)
 
     def create(self, state: SourceState, data_types: Mapping[str, str], options: TableOptions,
-               table_properties: Mapping[str, str]) -> None:
+               table_properties: Mapping[str, str], replace: bool = False) -> None:
+        """``replace``: an existing table is emptied and gets today's schema and properties; its
+        history and transaction versions stay. Two commits (properties, then the schema and no
+        rows): the caller must be able to repeat both after a crash (a resync's mark does that)."""
         columns = [(c.target, data_types[c.name]) for c in state.columns if c.target is not None]
         columns += metadata_columns(options)
         # No table feature a reader must support is switched on here: type widening and column mapping
@@ -178,8 +181,15 @@ class Target:
             properties.setdefault("delta.columnMapping.mode", "name")
         properties[SOURCE_PROPERTY] = state.to_json()
         ddl = ", ".join(f"{quote(name)} {spark_type}" for name, spark_type in columns)
-        partitioned = f" PARTITIONED BY ({', '.join(map(quote, options.partition_by))})" if options.partition_by else ""
         props = ", ".join(f"{sql_string(k)} = {sql_string(v)}" for k, v in properties.items())
+        if replace:
+            # CREATE OR REPLACE on a path refuses properties that differ from the existing ones.
+            self.spark.sql(f"ALTER TABLE {self.sql} SET TBLPROPERTIES ({props})")
+            writer = (self.spark.createDataFrame([], ddl).write.format("delta").mode("overwrite")
+                      .option("overwriteSchema", "true").partitionBy(*options.partition_by))
+            writer.saveAsTable(self.location) if self.by_name else writer.save(self.location)
+            return
+        partitioned = f" PARTITIONED BY ({', '.join(map(quote, options.partition_by))})" if options.partition_by else ""
         self.spark.sql(f"CREATE TABLE IF NOT EXISTS {self.sql} ({ddl}) USING delta{partitioned} "
                        f"TBLPROPERTIES ({props})")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import select
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 import psycopg
@@ -39,7 +40,8 @@ class WalSenderStream:
     """
 
     def __init__(self, conninfo: str, slot: str, options: PgOutputOptions, start_lsn: int = 0,
-                 connect_timeout: int = 10) -> None:
+                 connect_timeout: int = 10, on_status: Callable[[], None] | None = None) -> None:
+        """``on_status`` is called after every status update sent (the metrics' liveness beat)."""
         try:
             self.conn = psycopg.connect(conninfo, autocommit=True, replication="database",
                                         connect_timeout=connect_timeout)
@@ -50,6 +52,7 @@ class WalSenderStream:
         self.start_lsn = start_lsn
         self.received_lsn = start_lsn  # highest WAL position seen in XLogData or a keepalive
         self.last_status_at = 0.0
+        self.on_status = on_status
 
     def start(self) -> None:
         pgconn = self.conn.pgconn
@@ -99,6 +102,8 @@ class WalSenderStream:
         except psycopg.OperationalError as exc:
             raise StreamLost(f"replication connection lost: {exc}") from None
         self.last_status_at = time.monotonic()
+        if self.on_status is not None:
+            self.on_status()
 
     def close(self) -> None:
         self.conn.close()

@@ -27,6 +27,7 @@ from cdc_apply.assemble import Change, Transaction
 from cdc_apply.config import Config, load_config
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn
+from cdc_apply.metrics import PipelineMetrics
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import decode_message
 from cdc_apply.pipeline import RunSummary
@@ -41,14 +42,16 @@ APPLY_COLUMNS = ("commit_lsn", "end_lsn", "commit_ts", "xid", "origin", "seq", "
                  "_cdc_relation", "_cdc_change")
 
 
-def foreach_batch(config: Config | str | Path, *, live_source: bool = True) -> Callable[[DataFrame, int], None]:
+def foreach_batch(config: Config | str | Path, *, live_source: bool = True,
+                  metrics: PipelineMetrics | None = None) -> Callable[[DataFrame, int], None]:
     """A ``foreachBatch`` function applying ``format("pgoutput")`` micro-batches per ``config``.
 
     ``live_source=False`` for frames read from capture files: there is no server to ask for the value
-    ``ADD COLUMN ... DEFAULT`` gave earlier rows, so that backfill is skipped, as ``replay`` does."""
+    ``ADD COLUMN ... DEFAULT`` gave earlier rows, so that backfill is skipped, as ``replay`` does.
+    ``metrics`` is told every micro-batch (``cdc-apply stream`` serves them)."""
     settings = config if isinstance(config, Config) else load_config(config)
     appliers: list[BatchApplier] = []  # one for the function's life: it keeps its table thread pool
-    summary = RunSummary()
+    summary = RunSummary(metrics=metrics)
 
     def apply_micro_batch(frame: DataFrame, batch_id: int) -> None:
         spark = frame.sparkSession
@@ -58,6 +61,8 @@ def foreach_batch(config: Config | str | Path, *, live_source: bool = True) -> C
                                          missing_value=_source_lookup(settings) if live_source else None))
         applier = appliers[0]
         transactions = transactions_from_rows(frame.select(*APPLY_COLUMNS).toArrow())
+        if metrics is not None:
+            metrics.received_changes(sum(len(t.changes) for t in transactions))
         result = applier.apply(transactions, stream_batch=(query_id, batch_id))
         summary.record(result, transactions)
         applied = [t for t in result.tables if not t.skipped]

@@ -1,0 +1,159 @@
+"""Slot health: is the replication slot still usable, by us alone, and how much WAL does it hold back?
+
+Checked before a run reads the slot and every ``source.health_interval_seconds`` while it runs
+(docs/operations.md lists each problem and its recovery):
+- an invalidated slot (``wal_status = 'lost'``; ``invalidation_reason`` on PostgreSQL 17+) can
+  never be read again: ``SlotUnusable``, naming the recovery (a new slot and ``resync --all``);
+- a slot in use by another process (``active_pid``): ``SlotUnusable`` after a short wait, since
+  the walsender of a process that just died may still hold it for a moment;
+- a publication that no longer exists: ``SlotUnusable``;
+- a table that left the publication: a warning (its target stops receiving changes);
+- retained WAL (``pg_current_wal_lsn() - restart_lsn``) above ``source.max_retained_wal``: a
+  warning, or ``SlotUnusable`` with ``on_retained_wal: stop``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import psycopg
+
+from cdc_apply.config import SourceConfig
+from cdc_apply.errors import CdcApplyError
+
+log = logging.getLogger(__name__)
+
+ACTIVE_WAIT_SECONDS = 10.0
+
+
+class SlotUnusable(CdcApplyError):
+    """The slot or publication cannot be replicated from; the message names the recovery."""
+
+
+@dataclass(frozen=True)
+class SlotHealth:
+    slot: str
+    exists: bool
+    current_wal_lsn: str
+    wal_status: str | None = None  # reserved, extended, unreserved or lost
+    invalidation_reason: str | None = None  # PostgreSQL 17+
+    active_pid: int | None = None
+    restart_lsn: str | None = None
+    confirmed_flush_lsn: str | None = None
+    retained_wal_bytes: int | None = None  # WAL the server keeps for this slot
+    unconfirmed_bytes: int | None = None  # WAL written since the slot's confirmed position
+    safe_wal_size: int | None = None  # bytes left before max_slot_wal_keep_size invalidates it
+    two_phase: bool | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def read_slot_health(conn: psycopg.Connection, slot: str) -> SlotHealth:
+    has_reason = int(conn.info.server_version) >= 170000
+    current = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
+    row = conn.execute(
+        "SELECT wal_status, " + ("invalidation_reason" if has_reason else "NULL::text") + ", active_pid, "
+        "restart_lsn::text, confirmed_flush_lsn::text, "
+        "pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint, "
+        "pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, safe_wal_size, two_phase "
+        "FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+    if row is None:
+        return SlotHealth(slot, False, current)
+    return SlotHealth(slot, True, current, *row)
+
+
+def publication_tables(conn: psycopg.Connection, publication: str) -> dict[int, str] | None:
+    """relation OID -> schema.table of every table the publication sends; None when it does not exist."""
+    if not conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone():
+        return None
+    return {oid: f"{schema}.{table}" for oid, schema, table in conn.execute(
+        "SELECT c.oid, p.schemaname, p.tablename FROM pg_publication_tables p "
+        "JOIN pg_namespace n ON n.nspname = p.schemaname "
+        "JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename WHERE p.pubname = %s",
+        (publication,)).fetchall()}
+
+
+def _invalidated(health: SlotHealth, source: SourceConfig) -> str:
+    reason = f" ({health.invalidation_reason})" if health.invalidation_reason else ""
+    return (f"replication slot {source.slot!r} was invalidated by the server{reason}: the WAL it needed is gone "
+            "and the changes in it are lost. Recover: drop the slot (SELECT pg_drop_replication_slot("
+            f"'{source.slot}')), then run `cdc-apply resync --config <file> --all`, which creates a new slot and "
+            "copies every table again (docs/operations.md, \"Slot problems\")")
+
+
+class SlotObserver(Protocol):
+    def observe_slot(self, health: SlotHealth) -> None: ...
+
+
+class HealthMonitor:
+    """Runs the checks for one pipeline; remembers the publication's tables to see one leave."""
+
+    def __init__(self, source: SourceConfig, observer: SlotObserver | None = None) -> None:
+        self.source = source
+        self.observer = observer  # the metrics, told the slot's numbers at each check
+        self.tables: dict[int, str] | None = None
+        self.checked_at = 0.0
+
+    def due(self) -> bool:
+        return time.monotonic() - self.checked_at >= self.source.health_interval_seconds
+
+    def check(self, conn: psycopg.Connection, *, own_pid: int | None = None, starting: bool = False) -> SlotHealth:
+        """Raises ``SlotUnusable`` for a problem that stops the pipeline; logs the others.
+
+        ``starting``: nothing of ours reads the slot yet, so any ``active_pid`` is another process's;
+        ``own_pid``: the backend of our walsender connection. With neither (the Spark data source peeks
+        and advances from its own backends) the slot's user is not judged."""
+        self.checked_at = time.monotonic()
+        source = self.source
+        health = read_slot_health(conn, source.slot)
+        if starting and health.exists and health.active_pid is not None and health.active_pid != own_pid:
+            deadline = time.monotonic() + ACTIVE_WAIT_SECONDS
+            while health.active_pid is not None and time.monotonic() < deadline:
+                time.sleep(0.5)
+                health = read_slot_health(conn, source.slot)
+        if self.observer is not None:
+            self.observer.observe_slot(health)
+        if health.exists and health.wal_status == "lost":
+            raise SlotUnusable(_invalidated(health, source))
+        watching_active = starting or own_pid is not None  # a peek of our own also shows as active
+        if watching_active and health.exists and health.active_pid is not None and health.active_pid != own_pid:
+            raise SlotUnusable(f"replication slot {source.slot!r} is in use by another process (PID "
+                               f"{health.active_pid}): another cdc-apply or subscriber reads it. Stop that one, or "
+                               "give this pipeline its own source.slot")
+        tables = publication_tables(conn, source.publication)
+        if tables is None:
+            raise SlotUnusable(f"publication {source.publication!r} no longer exists: no change can be decoded. "
+                               f"Recover: CREATE PUBLICATION {source.publication} ... again (or set "
+                               "source.create_publication: true), then `cdc-apply resync --config <file> --all`, "
+                               "since changes made without it were not sent")
+        if self.tables is not None:
+            for oid in sorted(self.tables.keys() - tables.keys()):
+                log.warning("table %s left publication %s: its target no longer receives changes. To follow it "
+                            "again: ALTER PUBLICATION %s ADD TABLE %s, then `cdc-apply resync --table %s`",
+                            self.tables[oid], source.publication, source.publication, self.tables[oid],
+                            self.tables[oid])
+        self.tables = tables
+        self._check_retained(health)
+        return health
+
+    def _check_retained(self, health: SlotHealth) -> None:
+        limit = self.source.max_retained_wal
+        retained = health.retained_wal_bytes
+        if limit is None or retained is None or retained <= limit:
+            return
+        message = (f"replication slot {self.source.slot!r} holds {retained} bytes of WAL back (restart_lsn "
+                   f"{health.restart_lsn}, now {health.current_wal_lsn}), more than source.max_retained_wal "
+                   f"({int(limit)} bytes)")
+        if health.wal_status in ("unreserved", "extended"):
+            message += f"; wal_status is {health.wal_status}"
+        if health.safe_wal_size is not None:
+            message += f"; {health.safe_wal_size} bytes remain before max_slot_wal_keep_size invalidates it"
+        if self.source.on_retained_wal == "stop":
+            raise SlotUnusable(message + ". Stopped (source.on_retained_wal: stop): the server keeps the WAL until "
+                               "the slot is read or dropped")
+        log.warning("%s (source.on_retained_wal: warn)", message)
+
