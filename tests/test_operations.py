@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,14 +26,15 @@ from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.config import Config, parse_config
 from cdc_apply.live import BackgroundReplicator
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
-from cdc_apply.pgserver import PgServer, available_bindirs
-from cdc_apply.pipeline import drain
+from cdc_apply.pgserver import PgServer, available_bindirs, free_port
+from cdc_apply.pipeline import StopFlag, drain
 from cdc_apply.resync import published_oids, resync
 from cdc_apply.sources.health import SlotUnusable
 from cdc_apply.sources.slot import wait_until_caught_up
 from cdc_apply.sources.stream import WalSenderStream
 from cdc_apply.sources.preflight import protocol_options
 from cdc_apply.status import pipeline_status, watch
+from cdc_apply.stream_job import run_stream
 from tests.test_live import assert_delta_equals_postgres, live_config, wait_for_slot
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -275,3 +277,35 @@ def test_status_watch_draws_the_slot_and_tables(db18, spark, tmp_path, capsys) -
     applied = {row["table"]: row["applied_lsn"] for row in pipeline_status(config)["tables"]}
     for table, lsn in applied.items():
         assert table in drawn and lsn in drawn
+
+
+def test_stream_serves_metrics_that_count_what_postgres_committed(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    port = free_port()
+    config = parse_config({"pipeline": "st", "source": {"dsn": conninfo, "slot": "st", "publication": "load"},
+                           "target": {"warehouse": warehouse}, "stream": {"interval_seconds": 0.5},
+                           "metrics": {"port": port}})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        create_schema(conn, "load")
+        stop = StopFlag()
+        outcome: list[object] = []
+        runner = threading.Thread(target=lambda: outcome.append(run_stream(config, spark, stop)), daemon=True)
+        runner.start()
+        wait_for_slot(conninfo, "st")
+        load = Load(conninfo, sessions=2, rate_per_session=20, big_every=0).start()
+        time.sleep(6)
+        load.finish()
+        wait_until_caught_up(conninfo, "st", timeout=300)
+        assert _get(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")
+        samples = _scrape(port)
+        stop.event.set()
+        runner.join(120)
+        assert outcome, "run_stream did not return"
+        ledger_rows = conn.execute("SELECT count(*) FROM ledger").fetchone()[0]  # one insert per transaction
+        assert ledger_rows == load.committed > 20
+        assert _value(samples, "cdc_apply_table_changes_total", table="public.ledger", op="I") == ledger_rows
+        assert _value(samples, "cdc_apply_changes_received_total", pipeline="st") >= 2 * ledger_rows  # journal + ledger
+        assert _value(samples, "cdc_apply_commit_to_delta_lag_seconds_count", pipeline="st") == load.committed
+        assert_delta_equals_postgres(spark, conn, warehouse)
