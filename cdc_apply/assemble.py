@@ -67,11 +67,6 @@ class Change:
     in_stream: bool = False  # ``wire`` carries a streamed transaction's xid after its tag
     source: str | None = None  # capture file and line, for error messages
 
-    @property
-    def image_offset(self) -> int:
-        """Where the tuple marker byte sits in ``wire``: after tag, [xid,] relation OID."""
-        return 9 if self.in_stream else 5
-
     def images(self) -> tuple[m.TupleData | None, m.TupleData | None, m.TupleData | None]:
         """(key, old, new), decoding ``wire`` if the images were left undecoded."""
         if self.wire is None:
@@ -519,13 +514,4 @@ def batches(transactions: Iterable[Transaction], max_changes: int) -> Iterator[l
         yield batch
 
 
-def assemble(raws: Iterable[RawMessage], **options: object) -> Iterator[Transaction]:
-    """Committed transactions from a finite run of raw messages (a capture, a batch)."""
-    assembler = Assembler(**options)  # type: ignore[arg-type]
-    try:
-        yield from assembler.transactions(raws)
-    finally:
-        assembler.close()
-
-
-__all__ = ["Assembler", "Change", "Transaction", "NonTransactionalMessage", "assemble", "batches"]
+__all__ = ["Assembler", "Change", "Transaction", "NonTransactionalMessage", "batches"]

@@ -143,7 +143,7 @@ def parse_images(segment: Segment, wired: list[int]) -> tuple[np.ndarray, Image 
     lengths = np.fromiter(map(len, wires), np.int64, len(wires))
     ends = np.cumsum(lengths)
     buf = np.frombuffer(b"".join(wires), np.uint8)
-    markers_at = ends - lengths + np.where(in_stream, 9, 5)  # Change.image_offset, for all at once
+    markers_at = ends - lengths + np.where(in_stream, 9, 5)  # the marker after tag, [xid,] relation OID
     markers = buf[markers_at] if len(buf) else np.zeros(0, np.uint8)
     ops = np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8)
 

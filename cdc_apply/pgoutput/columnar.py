@@ -34,9 +34,6 @@ class TupleSpans:
     end: np.ndarray  # position just after each tuple
     bad: np.ndarray  # the message failed a check; its spans are meaningless
 
-    def take(self, rows: np.ndarray) -> TupleSpans:
-        return TupleSpans(self.kinds[rows], self.starts[rows], self.lengths[rows], self.end[rows], self.bad[rows])
-
 
 def parse_tuples(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, columns: int) -> TupleSpans:
     """Parse one TupleData beginning at each of ``starts``, each bounded by its ``ends``."""

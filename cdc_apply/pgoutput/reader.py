@@ -30,9 +30,6 @@ class Reader:
         if self.pos + size > self.end:
             raise self.fail(f"truncated: {what} needs {size} bytes, {self.end - self.pos} left")
 
-    def remaining(self) -> int:
-        return self.end - self.pos
-
     def byte(self, what: str) -> int:
         self.need(1, what)
         value = self.data[self.pos]

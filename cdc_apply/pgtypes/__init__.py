@@ -1,13 +1,13 @@
 """PostgreSQL type OID -> Spark type and value conversion, for built-ins and Type-message types.
 
-Usage: ``spark_type(oid, typmod)`` and ``converter(oid, binary)`` (or ``convert`` for one value).
-Types named only by a Type message (enums, domains, ...) are registered through ``TypeCache``.
+Usage: ``TypeCache().for_column(schema, table, column, oid)`` gives the column's ``PgType``: its
+``spark_type(typmod)``, ``from_text(text, typmod)`` and ``from_binary(raw, typmod)``. Types named
+only by a Type message (enums, domains, ...) are added with ``TypeCache.add``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from cdc_apply.pgtypes import datetime as _datetime  # noqa: F401 - registers its types
 from cdc_apply.pgtypes import network as _network  # noqa: F401
@@ -60,13 +60,4 @@ class TypeCache:
         return pg_type
 
 
-def converter(pg_type: PgType, binary: bool, typmod: int) -> Callable[[bytes], Any]:
-    if binary:
-        read_binary = pg_type.from_binary
-        return lambda raw: read_binary(raw, typmod)
-    read_text = pg_type.from_text
-    return lambda raw: read_text(raw.decode("utf-8"), typmod)
-
-
-__all__ = ["PgType", "TypeCache", "UnrepresentableValueError", "ValueConversionError", "converter", "lookup",
-           "registered"]
+__all__ = ["PgType", "TypeCache", "UnrepresentableValueError", "ValueConversionError", "lookup", "registered"]
