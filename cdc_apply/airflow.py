@@ -19,7 +19,7 @@ from cdc_apply.lsn import format_lsn
 
 def run_batch(config_path: str, spark_conf: dict[str, str] | None = None) -> dict[str, Any]:
     """Apply what the slot holds now; returns a JSON-ready summary (tables, counts, LSN range, lag)."""
-    from cdc_apply.apply import build_spark_session
+    from cdc_apply.spark import build_spark_session
     from cdc_apply.config import load_config
     from cdc_apply.pipeline import drain
     from cdc_apply.replay import table_totals

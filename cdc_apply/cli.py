@@ -25,7 +25,7 @@ EXIT_USAGE = 2
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
-    from cdc_apply.apply.jars import cache_dir, resolve_jars
+    from cdc_apply.spark.jars import cache_dir, resolve_jars
 
     jars = resolve_jars()
     print(f"Delta jars ready: {len(jars)} files in {cache_dir()}")
@@ -55,7 +55,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from cdc_apply.apply import build_spark_session
+    from cdc_apply.spark import build_spark_session
     from cdc_apply.apply.options import apply_options
     from cdc_apply.config import Config, load_config
     from cdc_apply.replay import print_summary, replay
@@ -74,7 +74,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from cdc_apply.apply import build_spark_session
+    from cdc_apply.spark import build_spark_session
     from cdc_apply.config import load_config
     from cdc_apply.pipeline import StopFlag, drain
     from cdc_apply.replay import print_summary
@@ -101,7 +101,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_stream(args: argparse.Namespace) -> int:
-    from cdc_apply.apply import build_spark_session
+    from cdc_apply.spark import build_spark_session
     from cdc_apply.config import load_config
     from cdc_apply.pipeline import StopFlag
     from cdc_apply.stream_job import offset_lsn, run_stream
@@ -135,7 +135,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_resync(args: argparse.Namespace) -> int:
-    from cdc_apply.apply import build_spark_session
+    from cdc_apply.spark import build_spark_session
     from cdc_apply.config import load_config
     from cdc_apply.resync import published_oids, resync
 

@@ -55,7 +55,7 @@ def capture_demo(path: str) -> int:
 
 def run_demo(warehouse: str | None = None) -> None:
     """The pipeline `cdc-apply run --follow` runs, on a throwaway server: snapshot, then stream."""
-    from cdc_apply.apply import build_spark_session
+    from cdc_apply.spark import build_spark_session
     from cdc_apply.config import parse_config
     from cdc_apply.live import BackgroundReplicator
     from cdc_apply.sources.slot import wait_until_caught_up

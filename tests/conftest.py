@@ -59,7 +59,7 @@ def db18(pg18: PgServer) -> Iterator[tuple[PgServer, str]]:
 
 @pytest.fixture(scope="session")
 def spark():  # type: ignore[no-untyped-def]
-    from cdc_apply.apply import build_spark_session
+    from cdc_apply.spark import build_spark_session
 
     session = build_spark_session()
     yield session

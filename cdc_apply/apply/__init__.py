@@ -1,6 +1,3 @@
-"""Spark side of cdc_apply: session, collapse, merge, schema evolution. The ``foreachBatch`` apply,
-a driver of this package, is ``cdc_apply.spark.foreach_batch``."""
-
-from cdc_apply.apply.session import build_spark_session
-
-__all__ = ["build_spark_session"]
+"""Change rows -> Delta: target plan, schema evolution, collapse and the writers (merge, append,
+history). The Spark session (``cdc_apply.spark.build_spark_session``) and the ``foreachBatch``
+apply (``cdc_apply.spark.foreach_batch``) are drivers of this package and live in ``cdc_apply.spark``."""

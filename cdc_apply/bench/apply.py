@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from cdc_apply.apply import build_spark_session
+from cdc_apply.spark import build_spark_session
 from cdc_apply.apply.collapse import Collapser
 from cdc_apply.apply.merge import merge_collapsed, source_frame
 from cdc_apply.apply.options import TableOptions

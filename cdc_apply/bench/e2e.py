@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from cdc_apply.apply import build_spark_session
+from cdc_apply.spark import build_spark_session
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.config import Config, parse_config
 from cdc_apply.live import BackgroundReplicator

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cdc_apply.apply.jars import resolve_jars
+from cdc_apply.spark.jars import resolve_jars
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
