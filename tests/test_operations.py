@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -59,62 +60,68 @@ def _value(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for (n, found), v in samples.items() if n == name and all((k, x) in found for k, x in labels.items()))
 
 
-def test_metrics_are_served_during_a_live_run_and_match_its_summary(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture()
+def load_db(db18, tmp_path) -> Iterator[tuple[str, str, psycopg.Connection]]:  # type: ignore[no-untyped-def]
+    """(conninfo, warehouse, connection) of a fresh PostgreSQL 18 database holding the load's tables."""
     server, dbname = db18
     conninfo = server.conninfo(dbname)
-    warehouse = str(tmp_path / "wh")
     with psycopg.connect(conninfo, autocommit=True) as conn:
         create_schema(conn, "load")
-        config = parse_config({**live_config(conninfo, warehouse).model_dump(exclude_defaults=True),
-                               "metrics": {"port": 0}})
-        with BackgroundReplicator(config, spark) as follower:
-            follower.wait_for_snapshots()
-            wait_for_slot(conninfo, "live")
-            load = Load(conninfo, sessions=2, rate_per_session=30, big_every=40).start()
-            deadline = time.monotonic() + 60
-            while follower.replicator.metrics_server is None or not follower.replicator.summary.batches:
-                assert time.monotonic() < deadline, "no batch applied"
-                time.sleep(0.2)
-            port = follower.replicator.metrics_server.port
-            during = _scrape(port)
-            assert _get(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")
-            time.sleep(3)
-            load.finish()
-            wait_until_caught_up(conninfo, "live")
-            after = _scrape(port)
-            summary = follower.replicator.summary
-            labels = {"pipeline": "live"}
-            assert _value(during, "cdc_apply_changes_received_total", **labels) > 0
-            applied = sum(batch.changes for batch in summary.batches)
-            assert applied > 500
-            assert _value(after, "cdc_apply_changes_applied_total", **labels) == applied
-            assert _value(after, "cdc_apply_changes_received_total", **labels) >= applied
-            assert _value(after, "cdc_apply_commit_to_delta_lag_seconds_count", **labels) == len(summary.lag_seconds)
-            assert _value(after, "cdc_apply_commit_to_delta_lag_seconds_sum", **labels) == pytest.approx(
-                sum(summary.lag_seconds), rel=1e-6)
-            assert _value(after, "cdc_apply_batch_apply_seconds_count", **labels) == len(summary.batches)
-            per_table: Counter[tuple[str, str]] = Counter()
-            last_lsn: dict[str, int] = {}
-            for batch in summary.batches:
-                for table in batch.tables:
-                    if not table.skipped:
-                        for op, count in table.ops.items():
-                            per_table[(table.table, op)] += count
-                        last_lsn[table.table] = max(last_lsn.get(table.table, 0), table.last_lsn or 0)
-            for (table, op), count in per_table.items():
-                assert _value(after, "cdc_apply_table_changes_total", table=table, op=op) == count, (table, op)
-            for table, lsn in last_lsn.items():
-                assert _value(after, "cdc_apply_table_last_commit_lsn", table=table) == lsn
-                assert _value(after, "cdc_apply_table_last_commit_timestamp_seconds", table=table) > time.time() - 600
-            assert _value(after, "cdc_apply_confirmed_lsn", **labels) == summary.confirmed_lsn
-            assert _value(after, "cdc_apply_slot_retained_wal_bytes", **labels) > 0
-            assert _value(after, "cdc_apply_reconnects_total", **labels) == 0
-            assert _value(after, "cdc_apply_last_status_timestamp_seconds", **labels) > time.time() - 30
-        assert_delta_equals_postgres(spark, conn, warehouse)
-        status = pipeline_status(config)
-        assert status["slot"]["exists"] and status["slot"]["active_pid"] is None
-        applied_lsns = {row["table"]: row["applied_lsn"] for row in status["tables"]}
-        assert set(applied_lsns) == set(TABLES) and all(applied_lsns.values())
+        yield conninfo, str(tmp_path / "wh"), conn
+
+
+def test_metrics_are_served_during_a_live_run_and_match_its_summary(load_db, spark) -> None:  # type: ignore[no-untyped-def]
+    conninfo, warehouse, conn = load_db
+    config = parse_config({**live_config(conninfo, warehouse).model_dump(exclude_defaults=True),
+                           "metrics": {"port": 0}})
+    with BackgroundReplicator(config, spark) as follower:
+        follower.wait_for_snapshots()
+        wait_for_slot(conninfo, "live")
+        load = Load(conninfo, sessions=2, rate_per_session=30, big_every=40).start()
+        deadline = time.monotonic() + 60
+        while follower.replicator.metrics_server is None or not follower.replicator.summary.batches:
+            assert time.monotonic() < deadline, "no batch applied"
+            time.sleep(0.2)
+        port = follower.replicator.metrics_server.port
+        during = _scrape(port)
+        assert _get(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")
+        time.sleep(3)
+        load.finish()
+        wait_until_caught_up(conninfo, "live")
+        after = _scrape(port)
+        summary = follower.replicator.summary
+        labels = {"pipeline": "live"}
+        assert _value(during, "cdc_apply_changes_received_total", **labels) > 0
+        applied = sum(batch.changes for batch in summary.batches)
+        assert applied > 500
+        assert _value(after, "cdc_apply_changes_applied_total", **labels) == applied
+        assert _value(after, "cdc_apply_changes_received_total", **labels) >= applied
+        assert _value(after, "cdc_apply_commit_to_delta_lag_seconds_count", **labels) == len(summary.lag_seconds)
+        assert _value(after, "cdc_apply_commit_to_delta_lag_seconds_sum", **labels) == pytest.approx(
+            sum(summary.lag_seconds), rel=1e-6)
+        assert _value(after, "cdc_apply_batch_apply_seconds_count", **labels) == len(summary.batches)
+        per_table: Counter[tuple[str, str]] = Counter()
+        last_lsn: dict[str, int] = {}
+        for batch in summary.batches:
+            for table in batch.tables:
+                if not table.skipped:
+                    for op, count in table.ops.items():
+                        per_table[(table.table, op)] += count
+                    last_lsn[table.table] = max(last_lsn.get(table.table, 0), table.last_lsn or 0)
+        for (table, op), count in per_table.items():
+            assert _value(after, "cdc_apply_table_changes_total", table=table, op=op) == count, (table, op)
+        for table, lsn in last_lsn.items():
+            assert _value(after, "cdc_apply_table_last_commit_lsn", table=table) == lsn
+            assert _value(after, "cdc_apply_table_last_commit_timestamp_seconds", table=table) > time.time() - 600
+        assert _value(after, "cdc_apply_confirmed_lsn", **labels) == summary.confirmed_lsn
+        assert _value(after, "cdc_apply_slot_retained_wal_bytes", **labels) > 0
+        assert _value(after, "cdc_apply_reconnects_total", **labels) == 0
+        assert _value(after, "cdc_apply_last_status_timestamp_seconds", **labels) > time.time() - 30
+    assert_delta_equals_postgres(spark, conn, warehouse)
+    status = pipeline_status(config)
+    assert status["slot"]["exists"] and status["slot"]["active_pid"] is None
+    applied_lsns = {row["table"]: row["applied_lsn"] for row in status["tables"]}
+    assert set(applied_lsns) == set(TABLES) and all(applied_lsns.values())
 
 
 def test_healthz_says_wedged_after_two_status_intervals_of_silence() -> None:
@@ -218,58 +225,51 @@ def _write_config(path: Path, config: Config) -> str:
     return str(path)
 
 
-def test_resync_under_load_and_after_a_kill_ends_equal(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    server, dbname = db18
-    conninfo = server.conninfo(dbname)
-    warehouse = str(tmp_path / "wh")
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        create_schema(conn, "load")
-        config = _ops_config(conninfo, warehouse, chunk_rows=40)
-        drain(config, spark)
-        load = Load(conninfo, sessions=2, rate_per_session=40, big_every=30).start()
-        time.sleep(2)
-        # A column type that cannot widen (integer -> text): the resync rebuilds the target with it.
-        conn.execute("ALTER TABLE ledger ALTER COLUMN amount TYPE text USING amount::text")
-        copied = resync(config, spark, published_oids(config, ["public.ledger"]))
-        time.sleep(2)
-        load.finish()
-        assert [t.table for t in copied] == ["public.ledger"] and copied[0].rows > 0
-        assert spark.read.format("delta").load(f"{warehouse}/public/ledger").schema["amount"].dataType.simpleString() \
-            == "string"
-        drain(config, spark)
-        assert_delta_equals_postgres(spark, conn, warehouse)
+def test_resync_under_load_and_after_a_kill_ends_equal(load_db, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    conninfo, warehouse, conn = load_db
+    config = _ops_config(conninfo, warehouse, chunk_rows=40)
+    drain(config, spark)
+    load = Load(conninfo, sessions=2, rate_per_session=40, big_every=30).start()
+    time.sleep(2)
+    # A column type that cannot widen (integer -> text): the resync rebuilds the target with it.
+    conn.execute("ALTER TABLE ledger ALTER COLUMN amount TYPE text USING amount::text")
+    copied = resync(config, spark, published_oids(config, ["public.ledger"]))
+    time.sleep(2)
+    load.finish()
+    assert [t.table for t in copied] == ["public.ledger"] and copied[0].rows > 0
+    assert spark.read.format("delta").load(f"{warehouse}/public/ledger").schema["amount"].dataType.simpleString() \
+        == "string"
+    drain(config, spark)
+    assert_delta_equals_postgres(spark, conn, warehouse)
 
-        # Killed after 2 chunks: the target counts as not in sync until a later resync finishes it.
-        load = Load(conninfo, sessions=1, rate_per_session=40, big_every=0, seed=2).start()
-        time.sleep(1)
-        config_file = _write_config(tmp_path / "ops.yaml", config)
-        env = {**os.environ, "CDC_APPLY_FAILPOINT": "snapshot_chunk:2"}
-        killed = subprocess.run([sys.executable, "-m", "cdc_apply.cli", "resync", "--config", config_file,
-                                 "--table", "public.accounts"], env=env, capture_output=True, text=True, timeout=600)
-        assert killed.returncode == -9, killed.stderr[-2000:]
-        pending = {row["table"]: row["resync_pending"] for row in pipeline_status(config)["tables"]}
-        assert pending == {name: name == "public.accounts" for name in TABLES}
-        done = subprocess.run([sys.executable, "-m", "cdc_apply.cli", "resync", "--config", config_file,
-                               "--table", "public.accounts"], capture_output=True, text=True, timeout=600)
-        load.finish()
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert "resuming the copy of public.accounts after key" in done.stderr
-        assert not any(row["resync_pending"] for row in pipeline_status(config)["tables"])
-        drain(config, spark)
-        assert_delta_equals_postgres(spark, conn, warehouse)
+    # Killed after 2 chunks: the target counts as not in sync until a later resync finishes it.
+    load = Load(conninfo, sessions=1, rate_per_session=40, big_every=0, seed=2).start()
+    time.sleep(1)
+    config_file = _write_config(tmp_path / "ops.yaml", config)
+    env = {**os.environ, "CDC_APPLY_FAILPOINT": "snapshot_chunk:2"}
+    killed = subprocess.run([sys.executable, "-m", "cdc_apply.cli", "resync", "--config", config_file,
+                             "--table", "public.accounts"], env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    pending = {row["table"]: row["resync_pending"] for row in pipeline_status(config)["tables"]}
+    assert pending == {name: name == "public.accounts" for name in TABLES}
+    done = subprocess.run([sys.executable, "-m", "cdc_apply.cli", "resync", "--config", config_file,
+                           "--table", "public.accounts"], capture_output=True, text=True, timeout=600)
+    load.finish()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resuming the copy of public.accounts after key" in done.stderr
+    assert not any(row["resync_pending"] for row in pipeline_status(config)["tables"])
+    drain(config, spark)
+    assert_delta_equals_postgres(spark, conn, warehouse)
 
-        bad = subprocess.run([sys.executable, "-m", "cdc_apply.cli", "resync", "--config", config_file,
-                              "--table", "public.nope"], capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 2 and "public.nope not in publication 'load'" in bad.stderr
-        assert "Traceback" not in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "cdc_apply.cli", "resync", "--config", config_file,
+                          "--table", "public.nope"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "public.nope not in publication 'load'" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
-def test_status_watch_draws_the_slot_and_tables(db18, spark, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    server, dbname = db18
-    conninfo = server.conninfo(dbname)
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        create_schema(conn, "load")
-    config = _ops_config(conninfo, str(tmp_path / "wh"))
+def test_status_watch_draws_the_slot_and_tables(load_db, spark, capsys) -> None:  # type: ignore[no-untyped-def]
+    conninfo, warehouse, _ = load_db
+    config = _ops_config(conninfo, warehouse)
     drain(config, spark)
     watch(config, refreshes=2, interval=0.1)
     drawn = capsys.readouterr().out
@@ -279,33 +279,29 @@ def test_status_watch_draws_the_slot_and_tables(db18, spark, tmp_path, capsys) -
         assert table in drawn and lsn in drawn
 
 
-def test_stream_serves_metrics_that_count_what_postgres_committed(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    server, dbname = db18
-    conninfo = server.conninfo(dbname)
-    warehouse = str(tmp_path / "wh")
+def test_stream_serves_metrics_that_count_what_postgres_committed(load_db, spark) -> None:  # type: ignore[no-untyped-def]
+    conninfo, warehouse, conn = load_db
     port = free_port()
     config = parse_config({"pipeline": "st", "source": {"dsn": conninfo, "slot": "st", "publication": "load"},
                            "target": {"warehouse": warehouse}, "stream": {"interval_seconds": 0.5},
                            "metrics": {"port": port}})
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        create_schema(conn, "load")
-        stop = StopFlag()
-        outcome: list[object] = []
-        runner = threading.Thread(target=lambda: outcome.append(run_stream(config, spark, stop)), daemon=True)
-        runner.start()
-        wait_for_slot(conninfo, "st")
-        load = Load(conninfo, sessions=2, rate_per_session=20, big_every=0).start()
-        time.sleep(6)
-        load.finish()
-        wait_until_caught_up(conninfo, "st", timeout=300)
-        assert _get(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")
-        samples = _scrape(port)
-        stop.event.set()
-        runner.join(120)
-        assert outcome, "run_stream did not return"
-        ledger_rows = conn.execute("SELECT count(*) FROM ledger").fetchone()[0]  # one insert per transaction
-        assert ledger_rows == load.committed > 20
-        assert _value(samples, "cdc_apply_table_changes_total", table="public.ledger", op="I") == ledger_rows
-        assert _value(samples, "cdc_apply_changes_received_total", pipeline="st") >= 2 * ledger_rows  # journal + ledger
-        assert _value(samples, "cdc_apply_commit_to_delta_lag_seconds_count", pipeline="st") == load.committed
-        assert_delta_equals_postgres(spark, conn, warehouse)
+    stop = StopFlag()
+    outcome: list[object] = []
+    runner = threading.Thread(target=lambda: outcome.append(run_stream(config, spark, stop)), daemon=True)
+    runner.start()
+    wait_for_slot(conninfo, "st")
+    load = Load(conninfo, sessions=2, rate_per_session=20, big_every=0).start()
+    time.sleep(6)
+    load.finish()
+    wait_until_caught_up(conninfo, "st", timeout=300)
+    assert _get(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")
+    samples = _scrape(port)
+    stop.event.set()
+    runner.join(120)
+    assert outcome, "run_stream did not return"
+    ledger_rows = conn.execute("SELECT count(*) FROM ledger").fetchone()[0]  # one insert per transaction
+    assert ledger_rows == load.committed > 20
+    assert _value(samples, "cdc_apply_table_changes_total", table="public.ledger", op="I") == ledger_rows
+    assert _value(samples, "cdc_apply_changes_received_total", pipeline="st") >= 2 * ledger_rows  # journal + ledger
+    assert _value(samples, "cdc_apply_commit_to_delta_lag_seconds_count", pipeline="st") == load.committed
+    assert_delta_equals_postgres(spark, conn, warehouse)
