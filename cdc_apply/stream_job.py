@@ -97,13 +97,14 @@ def run_stream(config: Config, spark: SparkSession, stop: StopFlag,
                metrics: PipelineMetrics | None = None) -> list[dict[str, Any]]:
     """Runs until the query ends (available_now) or a stop is asked; returns the batches' progress."""
     metrics = metrics or PipelineMetrics(config.pipeline, stream_beat_interval(config))
-    server = (MetricsServer(metrics, config.metrics.host, config.metrics.port)
-              if config.metrics.port is not None else None)
     health = HealthMonitor(config.source, metrics)
-    prepare_source(config)  # what the data source would create, and the slot's health, before Spark starts
+    prepare_source(config)  # what the data source would create, and the slot's health, before the query starts
     query = start_stream(config, spark, metrics=metrics)
+    server: MetricsServer | None = None
     last_progress: object = None
     try:
+        if config.metrics.port is not None:
+            server = MetricsServer(metrics, config.metrics.host, config.metrics.port)
         while query.isActive:
             if stop.event.wait(0.5):
                 while query.status["isTriggerActive"]:  # let the running micro-batch commit
@@ -116,8 +117,7 @@ def run_stream(config: Config, spark: SparkSession, stop: StopFlag,
                 metrics.beat()
                 last_progress = stamp
             if health.due():
-                with psycopg.connect(config.source.conninfo(), autocommit=True) as conn:
-                    health.check(conn)
+                _check_health(config, health)
         if query.exception() is not None:
             raise query.exception()  # type: ignore[misc]
     except BaseException as exc:
@@ -129,3 +129,13 @@ def run_stream(config: Config, spark: SparkSession, stop: StopFlag,
         if server is not None:
             server.close()
     return [progress for progress in query.recentProgress if progress["numInputRows"] or progress["batchId"] == 0]
+
+
+def _check_health(config: Config, health: HealthMonitor) -> None:
+    """A slot problem stops the query; a server that cannot be reached now is the data source's
+    business (its next trigger fails or succeeds), so the check just waits for the next interval."""
+    try:
+        with psycopg.connect(config.source.conninfo(), autocommit=True, connect_timeout=10) as conn:
+            health.check(conn)
+    except psycopg.OperationalError as exc:
+        log.warning("slot health check skipped: %s", " ".join(str(exc).split()))
