@@ -23,7 +23,7 @@ from cdc_apply.config import Config, ConfigError
 from cdc_apply.pipeline import prepare_source
 from cdc_apply.snapshot import Snapshotter, TableSnapshot
 from cdc_apply.sources.catalog import SourceCatalog
-from cdc_apply.sources.snapshot import published_tables
+from cdc_apply.sources.health import publication_tables
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -34,7 +34,7 @@ def published_oids(config: Config, tables: Sequence[str] | None) -> list[int]:
     source and creates the slot first when it is missing (after an invalidated one was dropped)."""
     prepare_source(config)
     with psycopg.connect(config.source.conninfo(), autocommit=True) as conn:
-        published = {t.qualified_name: t.relation.oid for t in published_tables(conn, config.source.publication)}
+        published = {name: oid for oid, name in (publication_tables(conn, config.source.publication) or {}).items()}
     names = list(published) if tables is None else list(dict.fromkeys(tables))
     unknown = [name for name in names if name not in published]
     if unknown:

@@ -119,22 +119,22 @@ def watch(config: Config, refreshes: int | None = None, interval: float = 1.0,
                 sleep(interval)
 
 
+def _per_second(samples: dict[Any, float], previous: tuple[float, dict[Any, float]] | None, now: float,
+                name: str, **labels: str) -> tuple[float, float] | None:
+    """(growth of the metric since the previous scrape, seconds since it); None without two scrapes."""
+    if not samples or previous is None:
+        return None
+    then, before = previous
+    return _sum(samples, name, **labels) - _sum(before, name, **labels), max(now - then, 1e-3)
+
+
 def _rate(samples: dict[Any, float], previous: tuple[float, dict[Any, float]] | None, now: float,
           table: str) -> str:
-    if not samples or previous is None:
-        return "-"
-    then, before = previous
-    delta = (_sum(samples, "cdc_apply_table_changes_total", table=table)
-             - _sum(before, "cdc_apply_table_changes_total", table=table))
-    return f"{delta / max(now - then, 1e-3):.1f}"
+    growth = _per_second(samples, previous, now, "cdc_apply_table_changes_total", table=table)
+    return "-" if growth is None else f"{growth[0] / growth[1]:.1f}"
 
 
 def _lag(samples: dict[Any, float], previous: tuple[float, dict[Any, float]] | None, now: float) -> str:
-    if not samples or previous is None:
-        return "-"
-    _, before = previous
-    count = (_sum(samples, "cdc_apply_commit_to_delta_lag_seconds_count")
-             - _sum(before, "cdc_apply_commit_to_delta_lag_seconds_count"))
-    total = (_sum(samples, "cdc_apply_commit_to_delta_lag_seconds_sum")
-             - _sum(before, "cdc_apply_commit_to_delta_lag_seconds_sum"))
-    return f"{total / count:.2f} s" if count else "-"
+    count = _per_second(samples, previous, now, "cdc_apply_commit_to_delta_lag_seconds_count")
+    total = _per_second(samples, previous, now, "cdc_apply_commit_to_delta_lag_seconds_sum")
+    return f"{total[0] / count[0]:.2f} s" if count and total and count[0] else "-"

@@ -85,12 +85,12 @@ def start_stream(config: Config, spark: SparkSession, with_function: bool = Fals
     return (query, apply) if with_function else query
 
 
+STREAM_BEAT_FLOOR_S = 30.0
+
+
 def stream_beat_interval(config: Config) -> float:
     """How long a trigger may take before /healthz calls the query wedged (half of it, doubled there)."""
     return max(config.stream.interval_seconds, STREAM_BEAT_FLOOR_S)
-
-
-STREAM_BEAT_FLOOR_S = 30.0
 
 
 def run_stream(config: Config, spark: SparkSession, stop: StopFlag,

@@ -15,7 +15,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -158,9 +158,11 @@ class Target:
         with delta_commit_conf(self.spark, app_id, version, user_metadata):
             self.write(self.read().limit(0), "append")
 
-    def write(self, frame: DataFrame, mode: str, **options: str) -> None:
+    def write(self, frame: DataFrame, mode: str, partition_by: Sequence[str] = (), **options: str) -> None:
         """``frame`` written to this table (``append`` or ``overwrite``), by path or by name."""
         writer = frame.write.format("delta").mode(mode).options(**options)
+        if partition_by:
+            writer = writer.partitionBy(*partition_by)
         if self.by_name:
             writer.saveAsTable(self.location)
         else:
@@ -185,9 +187,7 @@ class Target:
         if replace:
             # CREATE OR REPLACE on a path refuses properties that differ from the existing ones.
             self.spark.sql(f"ALTER TABLE {self.sql} SET TBLPROPERTIES ({props})")
-            writer = (self.spark.createDataFrame([], ddl).write.format("delta").mode("overwrite")
-                      .option("overwriteSchema", "true").partitionBy(*options.partition_by))
-            writer.saveAsTable(self.location) if self.by_name else writer.save(self.location)
+            self.write(self.spark.createDataFrame([], ddl), "overwrite", options.partition_by, overwriteSchema="true")
             return
         partitioned = f" PARTITIONED BY ({', '.join(map(quote, options.partition_by))})" if options.partition_by else ""
         self.spark.sql(f"CREATE TABLE IF NOT EXISTS {self.sql} ({ddl}) USING delta{partitioned} "
