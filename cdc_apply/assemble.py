@@ -500,18 +500,4 @@ _HANDLERS = {
 }
 
 
-def batches(transactions: Iterable[Transaction], max_changes: int) -> Iterator[list[Transaction]]:
-    """Cut at transaction boundaries once a batch holds ``max_changes`` changes (never splits one)."""
-    batch: list[Transaction] = []
-    size = 0
-    for txn in transactions:
-        batch.append(txn)
-        size += len(txn.changes)
-        if size >= max_changes:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-__all__ = ["Assembler", "Change", "Transaction", "NonTransactionalMessage", "batches"]
+__all__ = ["Assembler", "Change", "Transaction", "NonTransactionalMessage"]

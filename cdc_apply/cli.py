@@ -76,7 +76,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from cdc_apply.spark import build_spark_session
     from cdc_apply.config import load_config
-    from cdc_apply.pipeline import StopFlag, drain
+    from cdc_apply.pipeline import drain
+    from cdc_apply.runtime import StopFlag
     from cdc_apply.replay import print_summary
 
     config = load_config(args.config)
@@ -103,7 +104,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_stream(args: argparse.Namespace) -> int:
     from cdc_apply.spark import build_spark_session
     from cdc_apply.config import load_config
-    from cdc_apply.pipeline import StopFlag
+    from cdc_apply.runtime import StopFlag
     from cdc_apply.stream_job import offset_lsn, run_stream
 
     config = load_config(args.config)

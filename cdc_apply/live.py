@@ -1,18 +1,13 @@
-"""`cdc-apply run --follow`: the walsender loop. receive -> decode/assemble -> apply -> confirm.
+"""`cdc-apply run --follow`: the walsender driver of the replication core (``cdc_apply.replication``,
+which holds the batching and confirm invariants).
 
-Invariants:
-- The flush position reported to the server (and so the slot's ``confirmed_flush_lsn``) is only
-  ever ``self.confirmed``, which moves in two ways:
-  1. after a batch, to ``Assembler.safe_confirm_lsn(last applied commit's end)``, and only after
-     ``BatchApplier.apply`` returned, i.e. every target's Delta commit is durable; never past an
-     open streamed or a prepared-but-undecided transaction;
-  2. when idle (nothing received but unapplied, nothing in flight in the assembler), to the
-     keepalive's WAL end, so a quiet slot does not hold WAL back. Transactions still running on
-     the server commit after that point and are sent whole later.
-- A reconnect starts at the slot's confirmed position with a fresh Assembler: the server re-sends
+What this driver adds:
+- Confirming is a standby status update. When idle, the keepalive's WAL end is the position the
+  core's idle advance may confirm.
+- A reconnect starts at the slot's confirmed position with a fresh core: the server re-sends
   every transaction not confirmed, and the targets' Delta transaction versions skip the ones
   that were applied but not yet confirmed.
-- While a batch is applied, a heartbeat thread keeps sending the last confirmed position, so a
+- While a batch is written, a heartbeat thread keeps sending the last confirmed position, so a
   long MERGE does not trip ``wal_sender_timeout``.
 - Slot health (``sources.health``) is checked before each replication connection and every
   ``source.health_interval_seconds`` while it is open; an unusable slot stops the run, it is never
@@ -24,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -32,13 +27,16 @@ import psycopg
 
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
-from cdc_apply.assemble import Assembler, Transaction
+from cdc_apply.assemble import Transaction
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
 from cdc_apply.pgoutput.framing import Keepalive
-from cdc_apply.pipeline import RunSummary, StopFlag, prepare_source
+from cdc_apply.pipeline import prepare_source
+from cdc_apply.replication import BatchCut, ReplicationCore, Sink
+from cdc_apply.runtime import StopFlag
+from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.snapshot import Snapshotter
 from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.health import HealthMonitor
@@ -67,6 +65,7 @@ class LiveReplicator:
         self.metrics_server: MetricsServer | None = None
         self.health = HealthMonitor(config.source, self.metrics)
         self.summary = RunSummary(metrics=self.metrics)
+        self.sink = DeltaSink(self.applier, self.summary, self.snapshotter)
         self.confirmed = 0
 
     def run(self) -> RunSummary:
@@ -110,17 +109,16 @@ class LiveReplicator:
         except BaseException:
             health_conn.close()
             raise
-        assembler = Assembler(spill_bytes=batching.spill_bytes, skip_origins=source.skip_origins)
-        pending: list[Transaction] = []
-        pending_changes = 0
-        pending_since = 0.0
+        core = ReplicationCore(_HeartbeatSink(self.sink, stream, lambda: self.confirmed),
+                               lambda lsn: self._confirm(stream, lsn),
+                               cut=BatchCut(batching.max_changes, batching.max_seconds), confirmed=self.confirmed,
+                               spill_bytes=batching.spill_bytes, skip_origins=source.skip_origins)
         progressed = False
         try:
             stream.start()
             log.info("streaming slot %s of %s", source.slot, source.describe())
             while not self.stop.event.is_set():
-                wait = batching.max_seconds - (time.monotonic() - pending_since) if pending else 1.0
-                frames = stream.read(timeout=max(0.0, min(wait, 1.0)))
+                frames = stream.read(timeout=max(0.0, min(core.seconds_until_due(), 1.0)))
                 idle_end = None
                 reply = False
                 raws = []
@@ -132,52 +130,44 @@ class LiveReplicator:
                         raws.append(RawMessage(frame.start_lsn, None, frame.payload, "walsender"))
                 if raws:
                     failpoint("after_receive")
-                for raw in raws:
-                    for event in assembler.feed(raw):
-                        if isinstance(event, Transaction):
-                            if not pending:
-                                pending_since = time.monotonic()
-                            pending.append(event)
-                            pending_changes += len(event.changes)
-                            self.metrics.received_changes(len(event.changes))
-                if pending and (pending_changes >= batching.max_changes
-                                or time.monotonic() - pending_since >= batching.max_seconds):
-                    failpoint("after_decode")
-                    self._apply(stream, assembler, pending)
-                    pending, pending_changes, progressed = [], 0, True
-                elif not pending and idle_end is not None and not raws:
-                    idle_confirm = assembler.safe_confirm_lsn(idle_end)
-                    if idle_confirm > self.confirmed:
-                        self._confirm(stream, idle_confirm)
-                        reply = False
+                    self.metrics.received_changes(core.feed(raws))
+                if core.batch_due():
+                    core.flush()
+                    progressed = True
+                elif idle_end is not None and not raws and core.advance_idle(idle_end):
+                    reply = False  # the idle advance sent a status update
                 if reply or time.monotonic() - stream.last_status_at >= STATUS_INTERVAL_S:
                     stream.send_status(self.confirmed)
                 if self.health.due():
                     self.health.check(health_conn, own_pid=stream.conn.pgconn.backend_pid)
-            if pending:  # stopping: finish what was received, so a clean stop loses no work
-                self._apply(stream, assembler, pending)
+            if core.pending:  # stopping: finish what was received, so a clean stop loses no work
+                core.flush()
                 progressed = True
         finally:
-            assembler.close()
+            core.close()
             stream.close()
             health_conn.close()
         return progressed
 
-    def _apply(self, stream: WalSenderStream, assembler: Assembler, batch: list[Transaction]) -> None:
-        with _heartbeat(stream, self.confirmed):
-            self.summary.snapshots += self.snapshotter.sync_new(batch)
-            self.summary.record(self.applier.apply(batch), batch)
-        failpoint("before_confirm")
-        self._confirm(stream, assembler.safe_confirm_lsn(batch[-1].end_lsn))
-
     def _confirm(self, stream: WalSenderStream, lsn: int) -> None:
-        if lsn <= self.confirmed:
-            return
         stream.send_status(lsn)
         self.confirmed = lsn
         self.summary.confirmed_lsn = lsn
         self.metrics.confirmed_to(lsn)
         log.debug("confirmed slot %s to %s", self.config.source.slot, format_lsn(lsn))
+
+
+class _HeartbeatSink:
+    """The Delta sink, with the last confirmed position sent from a thread while it writes."""
+
+    def __init__(self, sink: Sink, stream: WalSenderStream, confirmed: Callable[[], int]) -> None:
+        self.sink = sink
+        self.stream = stream
+        self.confirmed = confirmed
+
+    def write_batch(self, batch: list[Transaction]) -> None:
+        with _heartbeat(self.stream, self.confirmed()):
+            self.sink.write_batch(batch)
 
 
 @contextmanager

@@ -1,40 +1,34 @@
-"""SQL-interface batch mode (`run --once`): peek -> decode -> assemble -> apply -> advance. The walsender
-loop for `run --follow` is `cdc_apply.live`.
+"""SQL-interface batch mode (`run --once`) and `capture`: peek the slot, drive the replication core
+(``cdc_apply.replication``, which holds the invariants), advance the slot. The walsender loop for
+`run --follow` is `cdc_apply.live`.
 
 Each round peeks at most ``batching.max_changes`` messages from the slot (whole transactions, up to
-the WAL position the run started at), applies the committed transactions, and only then advances
-the slot. Invariants:
-- The slot is never confirmed past a transaction that is not durable in every target: the
-  advance comes after ``BatchApplier.apply`` returns, and never passes an open streamed or a
-  prepared-but-undecided transaction (``Assembler.safe_confirm_lsn``).
-- A crash between apply and advance re-reads the same transactions next time; the targets' Delta
-  transaction versions make the second apply a no-op.
+the WAL position the run started at) into a new core, which applies the committed transactions and
+then advances the slot. A crash between apply and advance re-reads the same transactions next
+time; the targets' Delta transaction versions make the second apply a no-op.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import psycopg
 
-from cdc_apply.apply.batch import BatchApplier, BatchResult
+from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
-from cdc_apply.assemble import Assembler, Transaction
+from cdc_apply.assemble import Transaction
 from cdc_apply.config import Config
-from cdc_apply.lsn import format_lsn, parse_lsn, pg_us_to_unix_us
-from cdc_apply.metrics import PipelineMetrics
-from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.failpoints import failpoint
-from cdc_apply.snapshot import Snapshotter, TableSnapshot
+from cdc_apply.lsn import format_lsn, parse_lsn
+from cdc_apply.replication import ReplicationCore
+from cdc_apply.runtime import StopFlag
+from cdc_apply.sink import DeltaSink, RunSummary
+from cdc_apply.snapshot import Snapshotter
 from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.health import HealthMonitor
+from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.sources.slot import (
     PgOutputOptions, advance_slot, confirmed_flush, read_changes, server_version_num,
 )
@@ -43,52 +37,6 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunSummary:
-    """What a run did: batches applied, tables copied, lag, where the slot was confirmed to."""
-
-    batches: list[BatchResult] = field(default_factory=list)
-    confirmed_lsn: int | None = None
-    rounds: int = 0
-    snapshots: list[TableSnapshot] = field(default_factory=list)
-    lag_seconds: list[float] = field(default_factory=list)  # commit in PostgreSQL -> visible in Delta
-    reconnects: int = 0
-    metrics: PipelineMetrics | None = None  # told every batch, when the run exports metrics
-
-    def record(self, result: BatchResult, transactions: list[Transaction]) -> None:
-        visible_at = time.time()
-        self.batches.append(result)
-        lags = [visible_at - pg_us_to_unix_us(t.commit_ts) / 1e6 for t in transactions]
-        self.lag_seconds += lags
-        if self.metrics is not None:
-            self.metrics.batch_applied(result, transactions, lags)
-
-    def lag_percentile(self, fraction: float) -> float | None:
-        if not self.lag_seconds:
-            return None
-        ordered = sorted(self.lag_seconds)
-        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop stops after the current batch."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-
-    @contextmanager
-    def on_signals(self) -> Iterator[StopFlag]:
-        if threading.current_thread() is not threading.main_thread():
-            yield self
-            return
-        previous = {sig: signal.signal(sig, lambda *_: self.event.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield self
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 def _has_configured_keys(config: Config) -> Callable[[str, str], bool]:
@@ -109,45 +57,60 @@ def prepare_source(config: Config) -> PgOutputOptions:
         return _prepare(conn, config)
 
 
+def _current_wal_lsn(conn: psycopg.Connection) -> int:
+    return parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+
+
+def _slot_advancer(conn: psycopg.Connection, config: Config, summary: RunSummary | None = None) -> Callable[[int], None]:
+    slot = config.source.slot
+
+    def advance(lsn: int) -> None:
+        advance_slot(conn, slot, lsn)
+        if summary is not None:
+            summary.confirmed_lsn = lsn
+        log.info("confirmed slot %s to %s", slot, format_lsn(lsn))
+
+    return advance
+
+
 def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) -> RunSummary:
     """Apply everything the slot holds up to the current WAL position, then return."""
     summary = RunSummary()
     source = config.source
     with psycopg.connect(source.conninfo(), autocommit=True) as conn:
         options = _prepare(conn, config)
-        upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+        upto = _current_wal_lsn(conn)
         applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(source.conninfo()).missing_value)
         snapshotter = Snapshotter(config, applier)
         summary.snapshots += snapshotter.sync()
+        sink = DeltaSink(applier, summary, snapshotter)
+        advance = _slot_advancer(conn, config, summary)
         log.info("reading slot %s of %s up to %s", source.slot, source.describe(), format_lsn(upto))
         limit = config.batching.max_changes
         while stop is None or not stop.event.is_set():
             summary.rounds += 1
-            assembler = Assembler(spill_bytes=config.batching.spill_bytes, skip_origins=source.skip_origins)
-            try:
+            with ReplicationCore(sink, advance, confirmed=confirmed_flush(conn, source.slot),
+                                 spill_bytes=config.batching.spill_bytes, skip_origins=source.skip_origins) as core:
                 raws = list(read_changes(conn, source.slot, options, upto_lsn=upto, upto_nchanges=limit))
                 if not raws:
+                    core.advance_idle(upto)  # nothing published up to the start position: the rest is others' WAL
                     break
                 failpoint("after_receive")
-                transactions = list(assembler.transactions(raws))
-                if transactions:
-                    failpoint("after_decode")
-                    summary.snapshots += snapshotter.sync_new(transactions)
-                    summary.record(applier.apply(transactions), transactions)
-                confirm = assembler.safe_confirm_lsn(transactions[-1].end_lsn) if transactions else 0
-            finally:
-                assembler.close()
-            if confirm <= confirmed_flush(conn, source.slot):
-                if len(raws) >= limit:
-                    limit *= 2  # one transaction is larger than the window: widen it and read again
-                    continue
-                break  # only undecided (prepared or open streamed) transactions are left
-            failpoint("before_confirm")
-            advance_slot(conn, source.slot, confirm)
-            summary.confirmed_lsn = confirm
+                core.feed(raws)
+                if not core.flush():
+                    if len(raws) >= limit:
+                        limit *= 2  # one transaction is larger than the window: widen it and read again
+                        continue
+                    break  # only undecided (prepared or open streamed) transactions are left
             limit = config.batching.max_changes
-            log.info("confirmed slot %s to %s", source.slot, format_lsn(confirm))
     return summary
+
+
+class _CaptureWritten:
+    """The sink of ``capture --consume``: the capture file, already written and closed in full."""
+
+    def write_batch(self, batch: list[Transaction]) -> None:
+        pass
 
 
 def capture(config: Config, out: str, *, consume: bool = False) -> tuple[int, str]:
@@ -164,8 +127,7 @@ def capture(config: Config, out: str, *, consume: bool = False) -> tuple[int, st
     with psycopg.connect(source.conninfo(), autocommit=True) as conn:
         options = _prepare(conn, config)
         version = server_version_num(conn)
-        upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
-        raws = list(read_changes(conn, source.slot, options, upto_lsn=upto))
+        raws = list(read_changes(conn, source.slot, options, upto_lsn=_current_wal_lsn(conn)))
         path = Path(out)
         writer = write_parquet if path.suffix.lower() in PARQUET_SUFFIXES else write_jsonl
         count = writer(path, raws)
@@ -175,11 +137,8 @@ def capture(config: Config, out: str, *, consume: bool = False) -> tuple[int, st
             "options": dict(options.as_pairs()), "first_lsn": format_lsn(raws[0].lsn) if raws else None,
             "last_lsn": format_lsn(raws[-1].lsn) if raws else None}, indent=1))
         if consume and raws:
-            assembler = Assembler(skip_origins=source.skip_origins)
-            try:
-                transactions = list(assembler.transactions(raws))
-                if transactions:
-                    advance_slot(conn, source.slot, assembler.safe_confirm_lsn(transactions[-1].end_lsn))
-            finally:
-                assembler.close()
+            with ReplicationCore(_CaptureWritten(), _slot_advancer(conn, config),
+                                 confirmed=confirmed_flush(conn, source.slot), skip_origins=source.skip_origins) as core:
+                core.feed(raws)
+                core.flush()
     return count, str(manifest)

@@ -1,7 +1,7 @@
 """`cdc-apply replay`: capture files -> committed transactions -> batches -> Delta targets.
 
-The same path as the live pipeline, minus the slot: decode, assemble, cut batches at transaction
-boundaries, apply each batch. Replaying a capture twice changes nothing (exactly-once versions).
+The replication core (``cdc_apply.replication``) over files, with nothing to confirm: decode,
+assemble, cut batches at transaction boundaries, apply each batch. Replaying a capture twice changes nothing (exactly-once versions).
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, TextIO
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.apply.options import ApplyOptions
-from cdc_apply.assemble import Assembler, batches
 from cdc_apply.lsn import format_lsn
 from cdc_apply.progress import progress
+from cdc_apply.replication import BatchCut, ReplicationCore
+from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.sources.capture import read_captures
 
 if TYPE_CHECKING:
@@ -22,18 +23,13 @@ if TYPE_CHECKING:
 
 def replay(spark: SparkSession, paths: Sequence[str], options: ApplyOptions, *, max_changes: int = 1_000_000,
            spill_bytes: int | None = None) -> list[BatchResult]:
-    applier = BatchApplier(spark, options)
-    assembler = Assembler(**({"spill_bytes": spill_bytes} if spill_bytes else {}))
-    results = []
-    try:
-        with progress("replay", None, unit="changes") as advance:
-            for batch in batches(assembler.transactions(read_captures(paths)), max_changes):
-                results.append(applier.apply(batch))
-                advance(sum(len(txn.changes) for txn in batch))
-        assembler.warn_unfinished("the capture")
-    finally:
-        assembler.close()
-    return results
+    summary = RunSummary()
+    sink = DeltaSink(BatchApplier(spark, options), summary)
+    with ReplicationCore(sink, cut=BatchCut(max_changes), spill_bytes=spill_bytes) as core, \
+            progress("replay", None, unit="changes") as advance:
+        for changes in core.write_all(read_captures(paths), "the capture"):
+            advance(changes)
+    return summary.batches
 
 
 def table_totals(results: Sequence[BatchResult]) -> tuple[dict[str, dict[str, int]], dict[str, int]]:

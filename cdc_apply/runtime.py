@@ -1,8 +1,13 @@
-"""Process-wide settings for the processes cdc_apply owns (the CLI, the spark-submit jobs)."""
+"""Process-wide settings for the processes cdc_apply owns (the CLI, the spark-submit jobs), and the
+stop flag their signals set."""
 
 from __future__ import annotations
 
 import gc
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 GC_YOUNG_THRESHOLD = 50_000
 
@@ -17,3 +22,22 @@ def tune_gc() -> None:
     """
     young, middle, old = gc.get_threshold()
     gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), middle, old)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; a runner stops after the current batch."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    @contextmanager
+    def on_signals(self) -> Iterator[StopFlag]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {sig: signal.signal(sig, lambda *_: self.event.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

@@ -21,7 +21,8 @@ import psycopg
 
 from cdc_apply.config import Config, SourceConfig
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
-from cdc_apply.pipeline import StopFlag, prepare_source
+from cdc_apply.pipeline import prepare_source
+from cdc_apply.runtime import StopFlag
 from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.spark.foreach import foreach_batch
 

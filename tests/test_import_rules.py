@@ -87,3 +87,22 @@ def test_no_import_cycle_among_cdc_apply_modules() -> None:
         if module not in state:
             visit(module)
     assert cycles == []
+
+
+def _modules_using(name: str) -> set[str]:
+    """Modules whose code names ``name`` (a call, an attribute or a bare name), docstrings aside."""
+    using = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Name) and node.id == name) or (isinstance(node, ast.Attribute) and node.attr == name):
+                using.add(_module_name(path))
+                break
+    return using
+
+
+def test_one_replication_core() -> None:
+    """The confirm invariant is decided in one module, and every runner assembles through it."""
+    assert _modules_using("safe_confirm_lsn") == {"cdc_apply.replication"}
+    # The decode benchmark times the assembler alone, without a sink.
+    assert _modules_using("Assembler") - {"cdc_apply.assemble"} <= {"cdc_apply.replication", "cdc_apply.bench.decode"}
+    assert "cdc_apply.replication" in _modules_using("Assembler")

@@ -28,7 +28,8 @@ from cdc_apply.config import Config, parse_config
 from cdc_apply.live import BackgroundReplicator
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
 from cdc_apply.pgserver import PgServer, available_bindirs, free_port
-from cdc_apply.pipeline import StopFlag, drain
+from cdc_apply.pipeline import drain
+from cdc_apply.runtime import StopFlag
 from cdc_apply.resync import published_oids, resync
 from cdc_apply.sources.health import SlotUnusable
 from cdc_apply.sources.slot import wait_until_caught_up

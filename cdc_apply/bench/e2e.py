@@ -29,7 +29,7 @@ from cdc_apply.sources.stream import WalSenderStream
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from cdc_apply.pipeline import RunSummary
+    from cdc_apply.sink import RunSummary
 
 
 def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> tuple[int, float]:

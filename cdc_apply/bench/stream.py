@@ -26,7 +26,7 @@ from cdc_apply.stream_job import start_stream
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from cdc_apply.pipeline import RunSummary
+    from cdc_apply.sink import RunSummary
 
 
 def steady_stream(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -115,6 +116,7 @@ def write_jsonl(path: str | Path, messages: Iterable[RawMessage]) -> int:
         for msg in messages:
             handle.write(json.dumps({"lsn": format_lsn(msg.lsn), "xid": msg.xid, "data": msg.data.hex()}) + "\n")
             count += 1
+    _fsync(path)
     return count
 
 
@@ -129,4 +131,11 @@ def write_parquet(path: str | Path, messages: Iterable[RawMessage]) -> int:
         "data": pa.array([r.data for r in rows], pa.binary()),
     })
     pq.write_table(table, path)
+    _fsync(path)
     return len(rows)
+
+
+def _fsync(path: str | Path) -> None:
+    """A capture may be the only copy of what ``capture --consume`` takes off the slot."""
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())

@@ -10,10 +10,11 @@ Invariants (tests/test_datasource.py):
   batch's sink has committed, and ``latestOffset(start)``, which Spark calls only once the batch
   ending at ``start`` has committed (it runs one batch at a time; without this an idle query
   would hold its last batch's WAL, since Spark commits a batch's source offsets only when it
-  plans the next batch). Either moves the slot to that end or, when a streamed or prepared
-  transaction is still undecided, to its start (``Assembler.safe_confirm_lsn``), never further.
-- An idle query (no published change) moves its offset over other WAL once a WAL segment's worth
-  has passed, with an empty batch, so a quiet publication does not hold the server's WAL.
+  plans the next batch). Either confirms through the replication core (``cdc_apply.replication``):
+  to that end or, when a streamed or prepared transaction is still undecided, to its start.
+- An idle query (no published change) moves its offset over other WAL by the core's idle-advance
+  policy, at least a WAL segment at a time (each move is an empty batch), so a quiet
+  publication does not hold the server's WAL.
 - Reading a range again (a restart from the checkpoint) peeks the slot from its confirmed
   position, which is at or before ``start``, so it gets the same transactions.
 - The slot confirmed past ``start`` means someone else consumed it: the read fails, naming both.
@@ -29,9 +30,10 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
-from cdc_apply.assemble import Assembler, Transaction
+from cdc_apply.assemble import Transaction
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn, parse_lsn
+from cdc_apply.replication import IDLE_ADVANCE_WAL_SEGMENT, ReplicationCore
 from cdc_apply.sources.capture import read_captures
 from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.sources.raw import RawMessage
@@ -39,9 +41,6 @@ from cdc_apply.sources.slot import PgOutputOptions, advance_slot, confirmed_flus
 from cdc_apply.spark.options import ReaderOptions, reader_options
 from cdc_apply.spark.rows import SPARK_DDL, record_batches, typed_schema
 from cdc_apply.spark.typed import TableImages, images_from_catalog, images_from_relations
-
-
-IDLE_ADVANCE_BYTES = 16 * 1024 * 1024  # one WAL segment
 
 
 class PgOutputDataSource(DataSource):
@@ -73,8 +72,8 @@ def table_images(options: ReaderOptions) -> TableImages | None:
     if options.table is None:
         return None
     if options.paths:
-        _, assembler = _assembled(list(read_captures(options.paths)), options)
-        return images_from_relations(assembler.relations.values(), assembler.types.values(), options.table,
+        _, core = _assembled(list(read_captures(options.paths)), options)
+        return images_from_relations(core.assembler.relations.values(), core.assembler.types.values(), options.table,
                                      ", ".join(options.paths))
     with psycopg.connect(options.source.conninfo(), autocommit=True) as conn:
         return images_from_catalog(conn, options.source.publication, options.table)
@@ -99,12 +98,21 @@ def _protocol(conn: psycopg.Connection, options: ReaderOptions) -> PgOutputOptio
     return protocol_options(options.source, server_version_num(conn))
 
 
-def _assembled(raws: list[RawMessage], options: ReaderOptions) -> tuple[list[Transaction], Assembler]:
-    assembler = Assembler(spill_bytes=options.spill_bytes, skip_origins=options.source.skip_origins)
-    try:
-        return list(assembler.transactions(raws)), assembler
-    finally:
-        assembler.close()
+def _core(options: ReaderOptions, conn: psycopg.Connection | None = None) -> ReplicationCore:
+    """A replication core whose sink is Spark's: the caller takes the transactions. With ``conn``
+    it confirms by advancing the slot, starting from the slot's confirmed position."""
+    if conn is None:
+        return ReplicationCore(None, spill_bytes=options.spill_bytes, skip_origins=options.source.skip_origins)
+    slot = options.source.slot
+    return ReplicationCore(None, lambda lsn: advance_slot(conn, slot, lsn), confirmed=confirmed_flush(conn, slot),
+                           spill_bytes=options.spill_bytes, skip_origins=options.source.skip_origins,
+                           idle_advance_bytes=IDLE_ADVANCE_WAL_SEGMENT)
+
+
+def _assembled(raws: list[RawMessage], options: ReaderOptions) -> tuple[list[Transaction], ReplicationCore]:
+    with _core(options) as core:
+        core.feed(raws)
+        return core.take(), core
 
 
 class PgOutputBatchReader(DataSourceReader):
@@ -177,17 +185,17 @@ class PgOutputStreamReader(DataSourceStreamReader):
             upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
             while True:
                 raws = list(read_changes(conn, source.slot, protocol, upto_lsn=upto, upto_nchanges=window))
-                transactions, assembler = _assembled(raws, self.options)
-                fresh = [t for t in transactions if t.end_lsn > begin]
-                if fresh or window is None or len(raws) < window:
-                    break
+                with _core(self.options, conn) as core:
+                    core.feed(raws)
+                    fresh = [t for t in core.take() if t.end_lsn > begin]
+                    if fresh or window is None or len(raws) < window:
+                        core.confirm_up_to(begin)  # the batch ending at start is committed (see above)
+                        break
                 window *= 2  # the slot still holds transactions before start, or one is larger than the window
-            self._confirm_up_to(conn, min(begin, assembler.safe_confirm_lsn(begin)))
         if not fresh:
-            idle = not assembler.open_streamed() and not assembler.pending_prepared() and len(raws) == 0
-            return {"lsn": format_lsn(upto)} if idle and upto - begin >= IDLE_ADVANCE_BYTES else start
+            return start if core.idle_position(upto) is None else {"lsn": format_lsn(upto)}
         end = fresh[-1].end_lsn
-        self._confirm[end] = min(end, assembler.safe_confirm_lsn(end))
+        self._confirm[end] = core.confirmable(end)
         self._prefetched = SlotRange(begin, end, [r.lsn for r in raws], [r.data for r in raws])
         return {"lsn": format_lsn(end)}
 
@@ -207,22 +215,16 @@ class PgOutputStreamReader(DataSourceStreamReader):
 
     def commit(self, end: dict) -> None:
         finish = parse_lsn(end["lsn"])
-        confirm = self._confirm.pop(finish, None)
-        with self._connect() as conn:
-            if confirm is None:  # not planned by this reader (the first batch after a restart)
-                confirm = self._safe_confirm(conn, finish)
-            self._confirm_up_to(conn, confirm)
+        planned = self._confirm.pop(finish, None)
+        with self._connect() as conn, _core(self.options, conn) as core:
+            if planned is None:  # not planned by this reader (the first batch after a restart)
+                core.feed(list(read_changes(conn, self.options.source.slot, _protocol(conn, self.options),
+                                            upto_lsn=finish)))
+                core.take()
+                planned = finish
+            core.confirm_up_to(planned)
         for stale in [lsn for lsn in self._confirm if lsn <= finish]:
             del self._confirm[stale]
-
-    def _confirm_up_to(self, conn: psycopg.Connection, lsn: int) -> None:
-        if lsn > confirmed_flush(conn, self.options.source.slot):
-            advance_slot(conn, self.options.source.slot, lsn)
-
-    def _safe_confirm(self, conn: psycopg.Connection, finish: int) -> int:
-        raws = list(read_changes(conn, self.options.source.slot, _protocol(conn, self.options), upto_lsn=finish))
-        _, assembler = _assembled(raws, self.options)
-        return min(finish, assembler.safe_confirm_lsn(finish))
 
 
 def register(spark: object) -> None:

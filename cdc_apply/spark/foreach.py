@@ -30,7 +30,7 @@ from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn
 from cdc_apply.metrics import PipelineMetrics
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import decode_message
-from cdc_apply.pipeline import RunSummary
+from cdc_apply.sink import RunSummary
 from cdc_apply.sources.catalog import SourceCatalog
 
 if TYPE_CHECKING:

@@ -1,0 +1,59 @@
+"""The Delta sink of the replication core, and what a run did.
+
+``DeltaSink.write_batch`` keeps the core's contract (``cdc_apply.replication.Sink``): it returns
+only when every target's Delta commit of the batch is durable, and a batch written again is
+skipped by the targets' exactly-once versions (docs/architecture.md, invariant 6). Before the
+batch, a table the pipeline has not copied yet (added to the publication later) gets its
+initial snapshot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cdc_apply.apply.batch import BatchApplier, BatchResult
+from cdc_apply.assemble import Transaction
+from cdc_apply.lsn import pg_us_to_unix_us
+from cdc_apply.metrics import PipelineMetrics
+from cdc_apply.snapshot import Snapshotter, TableSnapshot
+
+
+@dataclass
+class RunSummary:
+    """What a run did: batches applied, tables copied, lag, where the slot was confirmed to."""
+
+    batches: list[BatchResult] = field(default_factory=list)
+    confirmed_lsn: int | None = None
+    rounds: int = 0
+    snapshots: list[TableSnapshot] = field(default_factory=list)
+    lag_seconds: list[float] = field(default_factory=list)  # commit in PostgreSQL -> visible in Delta
+    reconnects: int = 0
+    metrics: PipelineMetrics | None = None  # told every batch, when the run exports metrics
+
+    def record(self, result: BatchResult, transactions: list[Transaction]) -> None:
+        visible_at = time.time()
+        self.batches.append(result)
+        lags = [visible_at - pg_us_to_unix_us(t.commit_ts) / 1e6 for t in transactions]
+        self.lag_seconds += lags
+        if self.metrics is not None:
+            self.metrics.batch_applied(result, transactions, lags)
+
+    def lag_percentile(self, fraction: float) -> float | None:
+        if not self.lag_seconds:
+            return None
+        ordered = sorted(self.lag_seconds)
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+class DeltaSink:
+    def __init__(self, applier: BatchApplier, summary: RunSummary, snapshotter: Snapshotter | None = None) -> None:
+        """``snapshotter=None``: no source to copy from (replay)."""
+        self.applier = applier
+        self.summary = summary
+        self.snapshotter = snapshotter
+
+    def write_batch(self, batch: list[Transaction]) -> None:
+        if self.snapshotter is not None:
+            self.summary.snapshots += self.snapshotter.sync_new(batch)
+        self.summary.record(self.applier.apply(batch), batch)
