@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cdc_apply.spark.jars import resolve_jars
+from cdc_apply.spark.jvm import driver_java_options
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-
-LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")
 
 # Defaults tuned for a small local machine; every key can be overridden from config.
 DEFAULT_SPARK_CONF: dict[str, str] = {
@@ -30,7 +29,6 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     "spark.ui.showConsoleProgress": "false",
     "spark.driver.memory": "4g",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
-    "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}",
 }
 
 
@@ -49,6 +47,8 @@ def spark_conf(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
             defaults.pop(key)
     conf = {**defaults, **(overrides or {})}
     jars = [str(p) for p in resolve_jars()]
+    if not launched_by_spark_submit():
+        conf["spark.driver.extraJavaOptions"] = driver_java_options(conf.get("spark.driver.extraJavaOptions"))
     extra = conf.get("spark.jars")
     conf["spark.jars"] = ",".join(jars + ([extra] if extra else []))
     return conf
