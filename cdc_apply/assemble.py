@@ -31,7 +31,7 @@ from typing import IO
 from cdc_apply.errors import AssemblyError, DecodeError
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput import messages as m
-from cdc_apply.pgoutput.decoder import PgOutputDecoder
+from cdc_apply.pgoutput.decoder import ROW_MARKERS, PgOutputDecoder, relation_oid_offset, row_marker_offset
 from cdc_apply.sources.raw import RawMessage
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,11 @@ log = logging.getLogger(__name__)
 DEFAULT_SPILL_BYTES = 64 * 1024 * 1024
 
 _UINT32 = struct.Struct("!I")
-# Insert/Update/Delete tag byte -> the tuple marker bytes allowed after its relation OID
-_ROW_MARKERS = {ord("I"): b"N", ord("U"): b"KON", ord("D"): b"KO"}
+_ROW_MARKERS = {tag: markers.encode() for tag, markers in ROW_MARKERS.items()}
 _ROW_TAGS = frozenset(_ROW_MARKERS)
 _OPS = {tag: chr(tag) for tag in _ROW_MARKERS}
+_MARKER_AT = {in_stream: row_marker_offset(in_stream) for in_stream in (False, True)}
+_RELATION_AT = {in_stream: relation_oid_offset(in_stream) for in_stream in (False, True)}
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 3x, paid per row change
@@ -236,11 +237,11 @@ class Assembler:
         well formed, so the full decoder raises the exact error."""
         data = raw.data
         in_stream = self.decoder.in_stream
-        head = 9 if in_stream else 5
+        head = _MARKER_AT[in_stream]
         if len(data) < head + 3 or data[head] not in _ROW_MARKERS[data[0]]:
             return False
-        xid = _UINT32.unpack_from(data, 1)[0] if in_stream else None
-        relation = self.relations.get(_UINT32.unpack_from(data, head - 4)[0])
+        xid = _UINT32.unpack_from(data, 1)[0] if in_stream else None  # the stream xid follows the tag
+        relation = self.relations.get(_UINT32.unpack_from(data, _RELATION_AT[in_stream])[0])
         txn = self._current if self._stream_xid is None else self._streamed[self._stream_xid]
         if relation is None or txn is None:
             return False  # the full path raises the located error

@@ -26,6 +26,7 @@ from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import pg_us_to_unix_us
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.columnar import TupleSpans, gather_values, parse_tuples
+from cdc_apply.pgoutput.decoder import row_marker_offset
 from cdc_apply.pgtypes import ValueConversionError
 from cdc_apply.pgtypes.vectorized import FALLBACK_ERRORS, VectorFallback, convert_binary, convert_text
 
@@ -143,7 +144,7 @@ def parse_images(segment: Segment, wired: list[int]) -> tuple[np.ndarray, Image 
     lengths = np.fromiter(map(len, wires), np.int64, len(wires))
     ends = np.cumsum(lengths)
     buf = np.frombuffer(b"".join(wires), np.uint8)
-    markers_at = ends - lengths + np.where(in_stream, 9, 5)  # the marker after tag, [xid,] relation OID
+    markers_at = ends - lengths + np.where(in_stream, row_marker_offset(True), row_marker_offset(False))
     markers = buf[markers_at] if len(buf) else np.zeros(0, np.uint8)
     ops = np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8)
 

@@ -21,6 +21,27 @@ _NO_DATA_KINDS = (m.KIND_NULL, m.KIND_UNCHANGED_TOAST)
 _DATA_KINDS = (m.KIND_TEXT, m.KIND_BINARY)
 
 MAX_COLUMNS = 1600  # PostgreSQL's MaxHeapAttributeNumber: no table has more
+
+# The Insert/Update/Delete layout, defined once for the scalar decoder here, the assembler's
+# header fast path and the column-at-a-time parse: tag Byte1, [xid Int32 inside a stream block],
+# relation OID Int32, a tuple marker Byte1 and TupleData; an Update whose first marker is K or O
+# has a second marker N and the new TupleData.
+ROW_MARKERS = {ord("I"): "N", ord("U"): "KON", ord("D"): "KO"}  # tag -> the first markers allowed
+STREAM_XID_SIZE = 4
+
+
+def row_marker_offset(in_stream: bool) -> int:
+    """Where an Insert/Update/Delete's first tuple marker is: after the tag, [xid,] relation OID."""
+    return 1 + (STREAM_XID_SIZE if in_stream else 0) + 4
+
+
+def relation_oid_offset(in_stream: bool) -> int:
+    return row_marker_offset(in_stream) - 4
+
+
+def outside_stream_block(data: bytes, in_stream: bool) -> bytes:
+    """A DML/Relation/Type/Message message as it reads outside a stream block: without the xid."""
+    return data[:1] + data[1 + STREAM_XID_SIZE:] if in_stream else data
 STREAM_ABORT_V2_LENGTH = 1 + 4 + 4
 STREAM_ABORT_V4_LENGTH = STREAM_ABORT_V2_LENGTH + 8 + 8
 
@@ -122,13 +143,13 @@ def _type(r: Reader, xid: int | None) -> m.Type:
 
 def _insert(r: Reader, xid: int | None) -> m.Insert:
     oid = r.uint32("relation OID")
-    _old_image_marker(r, "N", "new tuple marker")
+    _old_image_marker(r, ROW_MARKERS[ord("I")], "new tuple marker")
     return m.Insert(xid, oid, read_tuple(r))
 
 
 def _update(r: Reader, xid: int | None) -> m.Update:
     oid = r.uint32("relation OID")
-    marker = _old_image_marker(r, "KON", "tuple marker")
+    marker = _old_image_marker(r, ROW_MARKERS[ord("U")], "tuple marker")
     old = None
     old_kind = None
     if marker != "N":
@@ -140,7 +161,7 @@ def _update(r: Reader, xid: int | None) -> m.Update:
 
 def _delete(r: Reader, xid: int | None) -> m.Delete:
     oid = r.uint32("relation OID")
-    marker = _old_image_marker(r, "KO", "old tuple marker")
+    marker = _old_image_marker(r, ROW_MARKERS[ord("D")], "old tuple marker")
     return m.Delete(xid, oid, marker, read_tuple(r))
 
 

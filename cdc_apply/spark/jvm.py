@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")
@@ -61,29 +60,9 @@ def build_class_archive() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.partial")
     options = f"-XX:ArchiveClassesAtExit={partial} -Xlog:cds=off -Xlog:cds+dynamic=off"
-    result = subprocess.run([sys.executable, "-m", "cdc_apply.spark.jvm", options], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "cdc_apply.spark.warm_up", options], capture_output=True, text=True)
     if result.returncode != 0 or not partial.exists():
         partial.unlink(missing_ok=True)
         raise RuntimeError(f"could not build the JVM class archive: {result.stderr.strip()[-2000:]}")
     os.replace(partial, target)
     return target
-
-
-def _warm_up(java_options: str) -> None:
-    from cdc_apply.spark.session import build_spark_session
-
-    spark = build_spark_session({"spark.driver.extraJavaOptions": java_options})
-    with tempfile.TemporaryDirectory(prefix="cdc_apply-warm-up-") as directory:
-        from delta.tables import DeltaTable
-
-        path = str(Path(directory) / "t")
-        spark.range(100).selectExpr("id", "cast(id AS string) AS s").write.format("delta").save(path)
-        source = spark.range(50, 150).selectExpr("id", "'x' AS s")
-        (DeltaTable.forPath(spark, path).alias("t").merge(source.alias("s"), "t.id = s.id")
-         .whenMatchedUpdateAll().whenNotMatchedInsertAll().execute())
-        spark.read.format("delta").load(path).count()
-    spark.stop()
-
-
-if __name__ == "__main__":
-    _warm_up(sys.argv[1])

@@ -23,6 +23,7 @@ from cdc_apply.changes import ChangeRowBuilder, TableChanges
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.columnar import gather_values
+from cdc_apply.pgoutput.decoder import outside_stream_block
 from cdc_apply.pgoutput.encode import encode_relation
 from cdc_apply.spark.typed import TableImages
 
@@ -103,15 +104,9 @@ def _record_batch(columns: dict[str, pa.Array], segment: TableChanges, schema: p
     count = len(segment.changes)
     columns["end_lsn"] = pa.array([t.end_lsn for t in segment.transactions], pa.int64())
     columns["_cdc_relation"] = pa.array([encode_relation(segment.relation)]).take(np.zeros(count, np.int32))
-    columns["_cdc_change"] = pa.array([_plain_wire(c.wire, c.in_stream) for c in segment.changes], pa.binary())
+    columns["_cdc_change"] = pa.array([None if c.wire is None else outside_stream_block(c.wire, c.in_stream)
+                                       for c in segment.changes], pa.binary())
     return pa.RecordBatch.from_arrays([columns[f.name].cast(f.type) for f in schema], schema=schema)
-
-
-def _plain_wire(wire: bytes | None, in_stream: bool) -> bytes | None:
-    """The message as it reads outside a stream block: without the streamed xid after the tag."""
-    if wire is None or not in_stream:
-        return wire
-    return wire[:1] + wire[5:]
 
 
 def _text_map(parsed: ParsedSegment, image: Image, indexes: list[int]) -> pa.Array:
