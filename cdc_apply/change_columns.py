@@ -1,10 +1,11 @@
 """Change rows of one table segment as Arrow, built a column at a time.
 
 The contract is ``change_codec.change_row``'s (docs/architecture.md); this builder must give the
-same table (tests/test_golden_capture.py and tests/test_type_roundtrip.py compare them on real captures, tests/test_columnar_fuzz.py on mutated ones). The row images of every
-change are parsed together (``pgoutput/columnar.py``) and each image column is converted by
-one vector converter (``pgtypes/vectorized.py``), falling back to the type's scalar converter
-for a column the vector one declines.
+same table (tests/test_golden_capture.py and tests/test_type_roundtrip.py compare them on real
+captures, tests/test_columnar_fuzz.py on mutated ones). The row images of every change are parsed
+together (``pgoutput/columnar.py``) and each image column is converted by the type's vector
+converter (``PgType.vector_text``/``vector_binary``, ``pgtypes/vectorized.py``), falling back to
+the type's scalar converter for a column the vector one declines.
 
 Invariant: a malformed message is never read as data. Any change the vector parse flags is
 re-decoded alone by the scalar path, which raises the error naming its LSN and byte offset.
@@ -220,12 +221,11 @@ def _struct(children: list[pa.Array] | None, codec: RelationCodec, indexes: list
 def _column(buf: np.ndarray, kinds: np.ndarray, starts: np.ndarray, lengths: np.ndarray, column: ColumnCodec,
             where: Callable[[int], str]) -> pa.Array:
     raw = gather_values(buf, kinds, starts, lengths)
-    oid = column.pg_type.oid
     try:
         if not np.any(kinds == m.KIND_BINARY):
-            values = convert_text(oid, raw.cast(pa.large_string()), column.arrow)
+            values = convert_text(column.pg_type, raw.cast(pa.large_string()), column.arrow)
         elif not np.any(kinds == m.KIND_TEXT):
-            values = convert_binary(oid, raw, column.arrow)
+            values = convert_binary(column.pg_type, raw, column.arrow)
         else:
             raise VectorFallback("text and binary values mixed in one column")
         return values if values.type == column.arrow else values.cast(column.arrow)

@@ -15,6 +15,7 @@ import struct
 
 from cdc_apply.lsn import PG_EPOCH_OFFSET_US
 from cdc_apply.pgtypes.registry import PgType, ValueConversionError, fixed, register
+from cdc_apply.pgtypes.vectorized import cast_text, fixed_width
 
 DATE_POS_INFINITY = 2**31 - 1
 DATE_NEG_INFINITY = -(2**31)
@@ -283,11 +284,16 @@ def interval_from_binary(raw: bytes, typmod: int = -1) -> dict[str, int]:
 
 INTERVAL_SPARK_TYPE = "struct<months:int,days:int,microseconds:bigint>"
 
-register(PgType(1082, "date", fixed("date"), date_from_text, date_from_binary, format_date, array_oid=1182))
+# ISO, AD, finite values only through Arrow's cast; the rest falls back to the scalar converters.
+_DATE_COLUMN_BINARY = fixed_width(">i4", PG_EPOCH_DAYS, (DATE_POS_INFINITY, DATE_NEG_INFINITY))
+_TIMESTAMP_COLUMN_BINARY = fixed_width(">i8", PG_EPOCH_OFFSET_US, (TIMESTAMP_POS_INFINITY, TIMESTAMP_NEG_INFINITY))
+register(PgType(1082, "date", fixed("date"), date_from_text, date_from_binary, format_date, array_oid=1182,
+                vector_text=cast_text, vector_binary=_DATE_COLUMN_BINARY))
 register(PgType(1114, "timestamp", fixed("timestamp_ntz"), timestamp_from_text, timestamp_from_binary,
-                format_timestamp, array_oid=1115))
+                format_timestamp, array_oid=1115, vector_text=cast_text, vector_binary=_TIMESTAMP_COLUMN_BINARY))
 register(PgType(1184, "timestamptz", fixed("timestamp"), timestamptz_from_text, timestamp_from_binary,
-                lambda us: format_timestamp(us, utc_suffix=True), array_oid=1185))
+                lambda us: format_timestamp(us, utc_suffix=True), array_oid=1185, vector_text=cast_text,
+                vector_binary=_TIMESTAMP_COLUMN_BINARY))
 register(PgType(1083, "time", fixed("string"), _time_text, _time_binary, array_oid=1183))
 register(PgType(1266, "timetz", fixed("string"), _timetz_text, _timetz_binary, array_oid=1270))
 register(PgType(1186, "interval", fixed(INTERVAL_SPARK_TYPE), interval_from_text, interval_from_binary,

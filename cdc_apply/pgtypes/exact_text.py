@@ -15,7 +15,7 @@ from cdc_apply.pgtypes.numbers import numeric_binary_to_text
 from cdc_apply.pgtypes.registry import PgType, fixed
 
 NUMERIC_OID = 1700
-EXACT_TEXT_OID = -1  # no vector converter is registered under it: values go through the scalar path
+EXACT_TEXT_OID = -1  # not a real type; it has no vector converters, so values take the scalar path
 
 
 def _element_text(value: Any) -> str:

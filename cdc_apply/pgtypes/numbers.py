@@ -7,13 +7,103 @@ import re
 import struct
 from decimal import Context, Decimal, InvalidOperation
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from cdc_apply.pgtypes.registry import (
     PgType, UnrepresentableValueError, ValueConversionError, fixed, register,
 )
+from cdc_apply.pgtypes.vectorized import VectorFallback, cast_text, fixed_width, present_values, read_int, require_grammar
 
 SPARK_MAX_DECIMAL_PRECISION = 38
 _WIDE = Context(prec=2 * SPARK_MAX_DECIMAL_PRECISION)
 NUMERIC_SPECIALS = {0xC000: "NaN", 0xD000: "Infinity", 0xF000: "-Infinity"}
+
+
+# Vector converters (a column at a time; contract in pgtypes/vectorized.py) ----------------------
+
+# float8out's output; Arrow alone also reads "+1", "inf" and "nan", which the scalar converter refuses.
+_FLOAT_GRAMMAR = r"^(-?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?|NaN|-?Infinity)$"
+
+
+def _float8_column_text(strings: pa.Array, arrow: pa.DataType) -> pa.Array:
+    require_grammar(strings, _FLOAT_GRAMMAR, "float text")
+    values = pc.cast(strings, arrow)
+    _refuse_overflow(strings, values)
+    return values
+
+
+def _refuse_overflow(strings: pa.Array, values: pa.Array) -> None:
+    """Text such as 1e400 reads as infinity: let the scalar converter refuse it."""
+    infinite = pc.and_(pc.is_inf(values), pc.invert(pc.match_substring(strings, "Infinity")))
+    if pc.any(infinite).as_py():
+        raise VectorFallback("float text out of range")
+
+
+def _numeric_column_text(strings: pa.Array, arrow: pa.DataType) -> pa.Array:
+    if not pa.types.is_decimal(arrow):
+        return strings.cast(arrow)  # numeric kept as its exact text
+    # Only numeric_out's plain digits reach Arrow's cast: pyarrow 26 crashes the process (SIGSEGV)
+    # casting "1e-9999999" to a decimal, and an exponent is never what PostgreSQL sends.
+    require_grammar(strings, r"^-?[0-9]+(\.[0-9]+)?$", "numeric text")
+    return pc.cast(strings, arrow)
+
+
+def _bool_column_text(strings: pa.Array, arrow: pa.DataType) -> pa.Array:
+    values = strings.drop_null()
+    if len(values) and not pc.all(pc.is_in(values, value_set=pa.array(["t", "f"], pa.large_string()))).as_py():
+        raise VectorFallback("boolean text other than t/f")
+    return pc.equal(strings, "t")
+
+
+def _float4_column_text(strings: pa.Array, arrow: pa.DataType) -> pa.Array:
+    # Through double first, as the scalar converter rounds: text -> float64 -> float32.
+    doubles = _float8_column_text(strings, pa.float64())
+    singles = pc.cast(doubles, pa.float32())
+    _refuse_overflow(strings, singles)
+    return singles
+
+
+MAX_INT64_DECIMAL_PRECISION = 18
+
+
+def _numeric_column_binary(raw: pa.Array, arrow: pa.DataType) -> pa.Array:
+    """numeric_send's base-10000 digits -> decimal(p,s) for p <= 18, exactly (else fall back)."""
+    if not pa.types.is_decimal(arrow) or arrow.precision > MAX_INT64_DECIMAL_PRECISION:
+        raise VectorFallback("numeric kept as text, or wider than int64")
+    data, starts, sizes, present = present_values(raw)
+    starts, sizes = starts[present], sizes[present]
+    if np.any(sizes < 8):
+        raise VectorFallback("short binary numeric")
+    ndigits, weight = read_int(data, starts, 2, True), read_int(data, starts + 2, 2, True)
+    sign, dscale = read_int(data, starts + 4, 2, False), read_int(data, starts + 6, 2, False)
+    if np.any((sign != 0) & (sign != 0x4000)) or np.any(ndigits < 0) or np.any(sizes != 8 + 2 * ndigits):
+        raise VectorFallback("special or malformed binary numeric")
+    if np.any(dscale != arrow.scale):  # a numeric(p,s) column's values always carry display scale s
+        raise VectorFallback("display scale differs from the column's scale")
+    unscaled = np.zeros(len(starts), np.int64)
+    for k in range(int(ndigits.max()) if len(ndigits) else 0):
+        has = k < ndigits
+        digit = np.where(has, read_int(data, starts + 8 + 2 * k, 2, False), 0)
+        if np.any(digit > 9999):
+            raise VectorFallback("malformed binary numeric digit")
+        exponent = 4 * (weight - k) + arrow.scale
+        if np.any(has & (digit != 0) & (exponent > MAX_INT64_DECIMAL_PRECISION)):
+            raise VectorFallback("numeric past the decimal's precision")
+        up = np.clip(exponent, 0, MAX_INT64_DECIMAL_PRECISION)
+        down = np.clip(-exponent, 0, 4)
+        if np.any(has & (digit % 10 ** down != 0)):
+            raise VectorFallback("more fractional digits than the decimal's scale")
+        unscaled += digit // 10 ** down * 10 ** up * (exponent > -4)
+    if np.any(np.abs(unscaled) >= 10 ** arrow.precision):
+        raise VectorFallback("numeric past the decimal's precision")
+    unscaled = np.where(sign == 0x4000, -unscaled, unscaled)
+    full = np.zeros((len(raw), 2), np.int64)
+    full[present, 0] = unscaled
+    full[:, 1] = full[:, 0] >> 63  # the 128-bit value's high word: sign extension
+    validity = None if present.all() else pa.py_buffer(np.packbits(present, bitorder="little"))
+    return pa.Array.from_buffers(arrow, len(raw), [validity, pa.py_buffer(full)], null_count=int((~present).sum()))
 
 
 def _struct_reader(fmt: str, name: str):  # type: ignore[no-untyped-def]
@@ -84,21 +174,29 @@ def _float_json(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
-register(PgType(16, "bool", fixed("boolean"), _bool_text, _struct_reader("!?", "bool"), array_oid=1000))
+register(PgType(16, "bool", fixed("boolean"), _bool_text, _struct_reader("!?", "bool"), array_oid=1000,
+                vector_text=_bool_column_text, vector_binary=fixed_width("u1")))
 register(PgType(21, "int2", fixed("smallint"), _int_reader("int2", -2**15, 2**15 - 1), _struct_reader("!h", "int2"),
-                array_oid=1005))
+                array_oid=1005, vector_text=cast_text,
+                vector_binary=fixed_width(">i2")))
 register(PgType(23, "int4", fixed("int"), _int_reader("int4", -2**31, 2**31 - 1), _struct_reader("!i", "int4"),
-                array_oid=1007))
+                array_oid=1007, vector_text=cast_text,
+                vector_binary=fixed_width(">i4")))
 register(PgType(20, "int8", fixed("bigint"), _int_reader("int8", -2**63, 2**63 - 1), _struct_reader("!q", "int8"),
-                array_oid=1016))
+                array_oid=1016, vector_text=cast_text,
+                vector_binary=fixed_width(">i8")))
 register(PgType(26, "oid", fixed("bigint"), _int_reader("oid", 0, 2**32 - 1), _struct_reader("!I", "oid"),
-                array_oid=1028))
+                array_oid=1028, vector_text=cast_text,
+                vector_binary=fixed_width(">u4")))
 register(PgType(28, "xid", fixed("bigint"), _int_reader("xid", 0, 2**32 - 1), _struct_reader("!I", "xid"),
-                array_oid=1011))
+                array_oid=1011, vector_text=cast_text,
+                vector_binary=fixed_width(">u4")))
 register(PgType(700, "float4", fixed("float"), _float4_text, _struct_reader("!f", "float4"), _float_json,
-                array_oid=1021))
+                array_oid=1021, vector_text=_float4_column_text,
+                vector_binary=fixed_width(">f4")))
 register(PgType(701, "float8", fixed("double"), _float_text, _struct_reader("!d", "float8"), _float_json,
-                array_oid=1022))
+                array_oid=1022, vector_text=_float8_column_text,
+                vector_binary=fixed_width(">f8")))
 
 
 # numeric -------------------------------------------------------------------------------------
@@ -201,7 +299,8 @@ def _numeric_json(value: Decimal | str) -> str:
 
 
 register(PgType(1700, "numeric", _numeric_spark_type, _numeric_text, _numeric_binary, _numeric_json,
-                array_oid=1231))
+                array_oid=1231, vector_text=_numeric_column_text,
+                vector_binary=_numeric_column_binary))
 
 
 # money: decimal(19,2), assuming an lc_monetary with two fraction digits (C, en_US, ...) ---------

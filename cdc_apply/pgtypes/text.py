@@ -6,6 +6,7 @@ import base64
 import uuid
 
 from cdc_apply.pgtypes.registry import PgType, ValueConversionError, fixed, register
+from cdc_apply.pgtypes.vectorized import cast_text, utf8_binary
 
 
 def _text(text: str, typmod: int) -> str:
@@ -20,8 +21,10 @@ def _utf8(raw: bytes, typmod: int) -> str:
 
 
 for _oid, _name, _array in ((25, "text", 1009), (1043, "varchar", 1015), (1042, "bpchar", 1014),
-                            (19, "name", 1003), (18, "char", 1002), (142, "xml", 143), (114, "json", 199)):
-    register(PgType(_oid, _name, fixed("string"), _text, _utf8, array_oid=_array))
+                            (19, "name", 1003), (18, "char", 1002), (114, "json", 199)):
+    register(PgType(_oid, _name, fixed("string"), _text, _utf8, array_oid=_array, vector_text=cast_text,
+                    vector_binary=utf8_binary))
+register(PgType(142, "xml", fixed("string"), _text, _utf8, array_oid=143))
 
 
 def _jsonb_binary(raw: bytes, typmod: int) -> str:
