@@ -51,7 +51,7 @@ class Change:
     """One row change. ``relation`` is the definition in force when the change was decoded.
 
     A change read from the stream keeps its message bytes (``wire``) and leaves its row images
-    undecoded: ``changes.py`` parses and converts them a whole table column at a time, which is
+    undecoded: ``changerows/segments.py`` parses and converts them a whole table column at a time, which is
     what keeps decoding ahead of the walsender. ``images()`` decodes one change on its own.
     """
 

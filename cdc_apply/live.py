@@ -43,7 +43,7 @@ from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import PgOutputOptions
 from cdc_apply.sources.snapshot import SnapshotLost
-from cdc_apply.sources.stream import StreamLost, WalSenderStream
+from cdc_apply.sources.walsender import StreamLost, WalSenderStream
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

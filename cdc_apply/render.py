@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cdc_apply.changes import TableChanges
+from cdc_apply.changerows.segments import TableChanges
 from cdc_apply.lsn import format_lsn, pg_us_to_datetime
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgtypes.datetime import format_timestamp

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cdc_apply.changes import TableChanges
+from cdc_apply.changerows.segments import TableChanges
 
 
 def _as_text(value: Any) -> str | None:

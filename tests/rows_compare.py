@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from cdc_apply.change_columns import NotArrowRepresentable
+from cdc_apply.changerows.columns import NotArrowRepresentable
 
 
 def normalised(value: Any) -> Any:

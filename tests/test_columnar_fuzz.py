@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cdc_apply.assemble import Assembler
-from cdc_apply.changes import change_rows
+from cdc_apply.changerows.segments import change_rows
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.sources.raw import RawMessage
 from tests.rows_compare import normalised

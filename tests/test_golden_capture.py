@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from cdc_apply.assemble import Assembler
-from cdc_apply.changes import change_rows
+from cdc_apply.changerows.segments import change_rows
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import PgOutputDecoder
 from cdc_apply.sources.slot import server_version_num

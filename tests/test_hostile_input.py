@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from cdc_apply.apply.options import ApplyOptions, TargetPathError, path_component
 from cdc_apply.assemble import Assembler
-from cdc_apply.changes import change_rows
+from cdc_apply.changerows.segments import change_rows
 from cdc_apply.cli import main
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.sources.capture import read_captures

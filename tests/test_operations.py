@@ -33,7 +33,7 @@ from cdc_apply.runtime import StopFlag
 from cdc_apply.resync import published_oids, resync
 from cdc_apply.sources.health import SlotUnusable
 from cdc_apply.sources.slot import wait_until_caught_up
-from cdc_apply.sources.stream import WalSenderStream
+from cdc_apply.sources.walsender import WalSenderStream
 from cdc_apply.sources.preflight import protocol_options
 from cdc_apply.status import pipeline_status, watch
 from cdc_apply.stream_job import run_stream

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from cdc_apply.assemble import Assembler
-from cdc_apply.changes import change_rows
+from cdc_apply.changerows.segments import change_rows
 from cdc_apply.pgtypes import UnrepresentableValueError, lookup
 from cdc_apply.pgtypes.datetime import (
     DATE_NEG_INFINITY, DATE_POS_INFINITY, TIMESTAMP_POS_INFINITY, date_from_text,

@@ -35,8 +35,8 @@ from cdc_apply.apply.schema import (
 )
 from cdc_apply.apply.targets import SourceState, Target, TargetRegistry, metadata_columns
 from cdc_apply.assemble import Transaction
-from cdc_apply.change_codec import keep_as_text_hint
-from cdc_apply.changes import ChangeRowBuilder, TableChanges
+from cdc_apply.changerows.codec import keep_as_text_hint
+from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn

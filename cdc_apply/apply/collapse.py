@@ -28,13 +28,13 @@ from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn
 
 Key = tuple[Any, ...]
-Image = dict[str, Any]
+ColumnValues = dict[str, Any]
 
 
 @dataclass(slots=True)
 class KeyState:
     deleted: bool
-    values: Image  # target column -> value; for a delete, only the key columns
+    values: ColumnValues  # target column -> value; for a delete, only the key columns
     commit_lsn: int
     commit_ts: int  # microseconds since 1970, UTC
     from_target: tuple[str, ...] = ()  # columns whose value stays the target row's
@@ -119,7 +119,7 @@ class Collapser:
         else:
             self._update(row, new, full_old, identity, column_map)
 
-    def _update(self, row: Mapping[str, Any], new: Image, full_old: Image | None, identity: Image | None,
+    def _update(self, row: Mapping[str, Any], new: ColumnValues, full_old: ColumnValues | None, identity: ColumnValues | None,
                 column_map: Mapping[str, str | None] | None) -> None:
         states = self.result.states
         lsn, ts = row["commit_lsn"], row["commit_ts"]
@@ -196,7 +196,7 @@ class Collapser:
             key = tuple(state.values.get(k) for k in key_columns)
             self._set(key, state)
 
-    def _key(self, image: Image | None, row: Mapping[str, Any], which: str) -> Key:
+    def _key(self, image: ColumnValues | None, row: Mapping[str, Any], which: str) -> Key:
         try:
             return tuple(image[k] for k in self._key_columns)  # type: ignore[index]
         except (KeyError, TypeError):
@@ -205,7 +205,7 @@ class Collapser:
                 f"{row['seq']}): the {which} image has no value for key columns {list(self._key_columns)}; "
                 "keys set in the config must be replica identity columns") from None
 
-    def _key_image(self, key: Key) -> Image:
+    def _key_image(self, key: Key) -> ColumnValues:
         return dict(zip(self._key_columns, key))
 
 
@@ -258,12 +258,12 @@ def _rename(name: str, column_map: Mapping[str, str | None] | None) -> str | Non
     return name if column_map is None else column_map.get(name, name)
 
 
-def _renamed(image: Image | None, column_map: Mapping[str, str | None] | None) -> Image | None:
+def _renamed(image: ColumnValues | None, column_map: Mapping[str, str | None] | None) -> ColumnValues | None:
     if image is None:
         return None
     if column_map is None:
         return dict(image)
-    out: Image = {}
+    out: ColumnValues = {}
     for name, value in image.items():
         target = column_map.get(name, name)
         if target is not None:

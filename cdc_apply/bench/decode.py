@@ -14,13 +14,13 @@ import time
 import psycopg
 
 from cdc_apply.assemble import Assembler
-from cdc_apply.changes import ChangeRowBuilder
+from cdc_apply.changerows.segments import ChangeRowBuilder
 from cdc_apply.config import BatchingConfig
 from cdc_apply.pgoutput.framing import XLogData
 from cdc_apply.pgserver import PgServer
 from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import PgOutputOptions, create_slot
-from cdc_apply.sources.stream import WalSenderStream
+from cdc_apply.sources.walsender import WalSenderStream
 
 ROWS_PER_TRANSACTION = 100
 BATCH_MESSAGES = BatchingConfig().max_changes  # the live pipeline's default batch

@@ -24,7 +24,7 @@ from cdc_apply.pgoutput.framing import XLogData
 from cdc_apply.pgserver import PgServer
 from cdc_apply.sources.preflight import protocol_options
 from cdc_apply.sources.slot import create_slot, server_version_num, wait_until_caught_up
-from cdc_apply.sources.stream import WalSenderStream
+from cdc_apply.sources.walsender import WalSenderStream
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -18,8 +18,8 @@ import numpy as np
 import pyarrow as pa
 
 from cdc_apply.assemble import Transaction
-from cdc_apply.change_columns import Image, ParsedSegment, change_table, parse_segment
-from cdc_apply.changes import ChangeRowBuilder, TableChanges
+from cdc_apply.changerows.columns import ImageSpans, ParsedSegment, change_table, parse_segment
+from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.columnar import gather_values
@@ -109,7 +109,7 @@ def _record_batch(columns: dict[str, pa.Array], segment: TableChanges, schema: p
     return pa.RecordBatch.from_arrays([columns[f.name].cast(f.type) for f in schema], schema=schema)
 
 
-def _text_map(parsed: ParsedSegment, image: Image, indexes: list[int]) -> pa.Array:
+def _text_map(parsed: ParsedSegment, image: ImageSpans, indexes: list[int]) -> pa.Array:
     names = parsed.segment.codec.columns
     rows = len(parsed.wired)
     kinds = image.kinds[:, indexes]

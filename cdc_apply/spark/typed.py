@@ -2,7 +2,7 @@
 
 Without it the source serves every table under one schema, so its images are text maps. Naming
 a table gives that table's change rows with ``key``/``old``/``new`` as structs of its column
-types, converted by the same converters as ``cdc-apply run`` (``change_columns.change_table``).
+types, converted by the same converters as ``cdc-apply run`` (``changerows.columns.change_table``).
 The read schema is the table's Relation when the read starts: the catalog (as pgoutput describes
 it: the publication's column list, no generated columns) for a slot, the last Relation message
 in the files for captures.
@@ -26,7 +26,7 @@ import numpy as np
 import psycopg
 import pyarrow as pa
 
-from cdc_apply.changes import RelationCodec, TableChanges
+from cdc_apply.changerows.segments import RelationCodec, TableChanges
 from cdc_apply.config import ConfigError
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn

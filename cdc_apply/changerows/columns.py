@@ -1,6 +1,6 @@
 """Change rows of one table segment as Arrow, built a column at a time.
 
-The contract is ``change_codec.change_row``'s (docs/architecture.md); this builder must give the
+The contract is ``changerows.codec.change_row``'s (docs/architecture.md); this builder must give the
 same table (tests/test_golden_capture.py and tests/test_type_roundtrip.py compare them on real
 captures, tests/test_columnar_fuzz.py on mutated ones). The row images of every change are parsed
 together (``pgoutput/columnar.py``) and each image column is converted by the type's vector
@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from cdc_apply.assemble import Change, Transaction
-from cdc_apply.change_codec import ColumnCodec, RelationCodec, Segment, change_row, where_change
+from cdc_apply.changerows.codec import ColumnCodec, RelationCodec, Segment, change_row, where_change
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import pg_us_to_unix_us
 from cdc_apply.pgoutput import messages as m
@@ -38,7 +38,7 @@ _OP, _SEQ, _IN_STREAM, _TRUNCATE_OPTIONS = (attrgetter(name) for name in ("op", 
 
 
 @dataclass
-class Image:
+class ImageSpans:
     """One row image over the wire-backed changes: spans per column, and which rows have it."""
 
     kinds: np.ndarray
@@ -54,9 +54,9 @@ class ParsedSegment:
     segment: Segment
     wired: list[int]  # rows whose change holds message bytes (all but truncates)
     buf: np.ndarray
-    key: Image | None  # None: every key image is the new row's
-    old: Image
-    new: Image
+    key: ImageSpans | None  # None: every key image is the new row's
+    old: ImageSpans
+    new: ImageSpans
     take: pa.Array | None  # wired position of each row, when truncates are mixed in
     common: dict[str, pa.Array]  # every change-row column but the images
 
@@ -135,7 +135,7 @@ def _row_index(count: int, wired: list[int]) -> pa.Array:
     return pa.array(index, type=pa.int64())
 
 
-def parse_images(segment: Segment, wired: list[int]) -> tuple[np.ndarray, Image | None, Image, Image]:
+def parse_images(segment: Segment, wired: list[int]) -> tuple[np.ndarray, ImageSpans | None, ImageSpans, ImageSpans]:
     """(buffer, key image, old image, new image) of the wire-backed changes; the key image is None
     when every change's key comes from its new image."""
     changes: list[Change] = segment.changes if len(wired) == len(segment.changes) else [segment.changes[i] for i in wired]
@@ -176,17 +176,17 @@ def parse_images(segment: Segment, wired: list[int]) -> tuple[np.ndarray, Image 
     key_in_first = (markers == _K) | (markers == _O)
     if not key_in_first.any():
         return buf, None, old, new
-    key = Image(np.where(key_in_first[:, None], first.kinds, new.kinds),
+    key = ImageSpans(np.where(key_in_first[:, None], first.kinds, new.kinds),
                  np.where(key_in_first[:, None], first.starts, new.starts),
                  np.where(key_in_first[:, None], first.lengths, new.lengths),
                  key_in_first | new.present)
     return buf, key, old, new
 
 
-def _image_from(spans: TupleSpans, rows: np.ndarray) -> Image:
+def _image_from(spans: TupleSpans, rows: np.ndarray) -> ImageSpans:
     """The image ``rows`` have in ``spans``; other rows get kind 0 (no value), which is what
     gathering and the unchanged-TOAST list look at, so their starts and lengths can stay."""
-    return Image(np.where(rows[:, None], spans.kinds, 0).astype(np.uint8), spans.starts.copy(),
+    return ImageSpans(np.where(rows[:, None], spans.kinds, 0).astype(np.uint8), spans.starts.copy(),
                   spans.lengths.copy(), rows.copy())
 
 
@@ -197,7 +197,7 @@ def _raise_scalar_error(segment: Segment, row: int) -> None:
                         "scalar decoder accepts; please report this with the capture")
 
 
-def _children(buf: np.ndarray, image: Image, codec: RelationCodec, indexes: list[int],
+def _children(buf: np.ndarray, image: ImageSpans, codec: RelationCodec, indexes: list[int],
               where: Callable[[int], str]) -> list[pa.Array] | None:
     """The image's columns converted; None when no change row has this image."""
     if not image.present.any():
@@ -255,7 +255,7 @@ class NotArrowRepresentable(CdcApplyError):
     array column). Python change rows can still carry it; the apply decides (docs/apply.md)."""
 
 
-def _unchanged(new: Image, codec: RelationCodec, count: int, wired: list[int]) -> pa.Array:
+def _unchanged(new: ImageSpans, codec: RelationCodec, count: int, wired: list[int]) -> pa.Array:
     """Per change row, the columns sent as unchanged TOAST; an empty list when none (truncates too)."""
     toast = new.kinds == m.KIND_UNCHANGED_TOAST
     per_row = np.zeros(count, dtype=np.int32)

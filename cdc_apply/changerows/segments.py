@@ -5,7 +5,7 @@ one fixed image type; segments of one table come out in stream order.
 
 Two builders give the same rows (tests/test_golden_capture.py, test_type_roundtrip.py and test_columnar_fuzz.py hold them equal): ``change_row``
 converts change by change (the reference, and the path for snapshot chunks, whose images are
-already decoded), and ``change_columns.change_table`` converts a whole column at a time (the
+already decoded), and ``changerows.columns.change_table`` converts a whole column at a time (the
 path for everything read from the stream). ``TableChanges.rows`` are the Arrow rows as Python
 values for the apply's collapse.
 """
@@ -21,10 +21,10 @@ from typing import Any
 import pyarrow as pa
 
 from cdc_apply.assemble import Transaction
-from cdc_apply.change_codec import (
+from cdc_apply.changerows.codec import (
     ColumnCodec, RelationCodec, Segment, change_row, change_row_schema, where_change,
 )
-from cdc_apply.change_columns import NotArrowRepresentable, change_table, python_rows
+from cdc_apply.changerows.columns import NotArrowRepresentable, change_table, python_rows
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgtypes import TypeCache
 
