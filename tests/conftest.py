@@ -24,6 +24,19 @@ def pg_server(request: pytest.FixtureRequest) -> Iterator[PgServer]:
         server.stop()
 
 
+# The two crash tests take a third of the suite: with two workers (./dev test runs pytest-xdist),
+# each worker starts with one of them, so they do not end up last on the same worker.
+LONGEST_FIRST = ("tests/test_stream_crash.py", "tests/test_crash.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    longest = [next((i for i in items if i.nodeid.startswith(path)), None) for path in LONGEST_FIRST]
+    rest = [i for i in items if i not in longest]
+    first, second = [i for i in longest if i is not None][:1], [i for i in longest if i is not None][1:]
+    half = len(rest) // 2
+    items[:] = first + rest[:half] + second + rest[half:]
+
+
 @pytest.fixture(scope="session")
 def pg18() -> Iterator[PgServer]:
     server = PgServer(bindir=SERVERS["pg18"]).start()
@@ -66,15 +79,37 @@ def spark():  # type: ignore[no-untyped-def]
     session.stop()
 
 
-def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
-    """How many oracle reads delta-rs made beside Spark, and which targets it could not read."""
+def _delta_rs_counts() -> tuple[int, dict[str, list[str]]]:
     import sys
 
     oracle = sys.modules.get("tests.delta_oracle")
     if oracle is None:
-        return
-    delta_rs_left_out, delta_rs_reads = oracle.delta_rs_left_out, oracle.delta_rs_reads
-    if delta_rs_reads[0] or delta_rs_left_out:
-        features = sorted({f for found in delta_rs_left_out.values() for f in found})
-        terminalreporter.write_line(f"delta-rs: {delta_rs_reads[0]} oracle reads equal to Spark's; "
-                                    f"{len(delta_rs_left_out)} target(s) left out for {features}")
+        return 0, {}
+    return oracle.delta_rs_reads[0], {path: sorted(found) for path, found in oracle.delta_rs_left_out.items()}
+
+
+_worker_counts: list[tuple[int, dict[str, list[str]]]] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: hand the counts to the controller
+        session.config.workeroutput["delta_rs"] = _delta_rs_counts()  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
+    counts = getattr(node, "workeroutput", {}).get("delta_rs")
+    if counts is not None:
+        _worker_counts.append(counts)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    """How many oracle reads delta-rs made beside Spark, and which targets it could not read."""
+    reads, left_out = _delta_rs_counts()
+    for worker_reads, worker_left_out in _worker_counts:
+        reads += worker_reads
+        left_out.update(worker_left_out)
+    if reads or left_out:
+        features = sorted({f for found in left_out.values() for f in found})
+        terminalreporter.write_line(f"delta-rs: {reads} oracle reads equal to Spark's; "
+                                    f"{len(left_out)} target(s) left out for {features}")
