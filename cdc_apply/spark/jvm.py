@@ -5,7 +5,8 @@ Catalyst, Delta) instead of loading and verifying them again. ``cdc-apply setup`
 archive once, by running a small Delta workload in a JVM that writes it at exit; every later
 driver uses it. It only changes how fast the JVM starts, never what it runs: a JVM that finds the
 archive unusable (another Java, another class path) ignores it. The archive's name carries the
-Java runtime, pyspark's version and the Delta jars, so an upgrade makes a new one.
+Java runtime, pyspark's install and version, and the Delta jars, so an upgrade or a second
+environment makes its own.
 Measured on the 2-core machine, a session start plus the first Delta write and MERGE: about 31 s
 without the archive, 28 s with it, and 20 s with it and ``-XX:TieredStopAtLevel=1`` (a JIT
 setting for short jobs, e.g. ``run --once`` from a scheduler; see docs/config.md, ``spark``).
@@ -38,7 +39,10 @@ def archive_path() -> Path:
     from cdc_apply.spark.jars import cache_dir, cached_jars
 
     jars = sorted(str(p) for p in cached_jars() or [])
-    key = hashlib.sha256("\n".join([_java_home(), pyspark.__version__, *jars]).encode()).hexdigest()[:16]
+    # The JVM's class path is pyspark's own jars directory: another install (a second venv) needs
+    # its own archive, which the JVM would otherwise silently refuse.
+    installed = os.path.dirname(os.path.realpath(pyspark.__file__))
+    key = hashlib.sha256("\n".join([_java_home(), installed, pyspark.__version__, *jars]).encode()).hexdigest()[:16]
     return cache_dir() / "jvm" / f"classes-{key}.jsa"
 
 
