@@ -24,8 +24,8 @@ def pg_server(request: pytest.FixtureRequest) -> Iterator[PgServer]:
         server.stop()
 
 
-# The two crash tests take a third of the suite: with two workers (./dev test runs pytest-xdist),
-# each worker starts with one of them, so they do not end up last on the same worker.
+# The two crash tests take a third of the suite: with two workers (CDC_APPLY_TEST_WORKERS=2 ./dev
+# test), each worker starts with one of them, so they do not end up last on the same worker.
 LONGEST_FIRST = ("tests/test_stream_crash.py", "tests/test_crash.py")
 
 

@@ -44,7 +44,7 @@ def spark_conf(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     defaults = dict(DEFAULT_SPARK_CONF)
     if launched_by_spark_submit():
         for key in SUBMIT_DECIDES:
-            defaults.pop(key)
+            defaults.pop(key, None)
     conf = {**defaults, **(overrides or {})}
     jars = [str(p) for p in resolve_jars()]
     if not launched_by_spark_submit():
