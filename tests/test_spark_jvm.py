@@ -3,7 +3,7 @@ used by every session, and a config's own JVM options come after cdc_apply's."""
 
 from __future__ import annotations
 
-from cdc_apply.spark.jvm import archive_path, driver_java_options
+from cdc_apply.spark.jvm import LOG4J_CONFIG, archive_path, driver_java_options
 from cdc_apply.spark.session import spark_conf
 
 
@@ -23,5 +23,6 @@ def test_configured_java_options_follow_cdc_apply_s_and_can_turn_the_archive_off
     mine = spark_conf({"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"})["spark.driver.extraJavaOptions"]
     assert mine.startswith("-Dlog4j2.configurationFile=") and mine.endswith(" -XX:TieredStopAtLevel=1")
     assert "-XX:SharedArchiveFile=" in mine
+    assert LOG4J_CONFIG.is_file(), "the option names cdc_apply's quiet log4j configuration, which must exist"
     off = driver_java_options("-Xshare:off")
     assert "SharedArchiveFile" not in off and off.endswith("-Xshare:off")
