@@ -21,7 +21,7 @@ from cdc_apply.apply.options import apply_options
 from cdc_apply.assemble import Transaction
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
-from cdc_apply.lsn import format_lsn, parse_lsn
+from cdc_apply.lsn import format_lsn
 from cdc_apply.replication import ReplicationCore
 from cdc_apply.runtime import StopFlag
 from cdc_apply.sink import DeltaSink, RunSummary
@@ -30,7 +30,7 @@ from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.sources.slot import (
-    PgOutputOptions, advance_slot, confirmed_flush, read_changes, server_version_num,
+    PgOutputOptions, advance_slot, confirmed_flush, current_wal_lsn, read_changes, server_version_num,
 )
 
 if TYPE_CHECKING:
@@ -57,10 +57,6 @@ def prepare_source(config: Config) -> PgOutputOptions:
         return _prepare(conn, config)
 
 
-def _current_wal_lsn(conn: psycopg.Connection) -> int:
-    return parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
-
-
 def _slot_advancer(conn: psycopg.Connection, config: Config, summary: RunSummary | None = None) -> Callable[[int], None]:
     slot = config.source.slot
 
@@ -79,7 +75,7 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
     source = config.source
     with psycopg.connect(source.conninfo(), autocommit=True) as conn:
         options = _prepare(conn, config)
-        upto = _current_wal_lsn(conn)
+        upto = current_wal_lsn(conn)
         applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(source.conninfo()).missing_value)
         snapshotter = Snapshotter(config, applier)
         summary.snapshots += snapshotter.sync()
@@ -127,7 +123,7 @@ def capture(config: Config, out: str, *, consume: bool = False) -> tuple[int, st
     with psycopg.connect(source.conninfo(), autocommit=True) as conn:
         options = _prepare(conn, config)
         version = server_version_num(conn)
-        raws = list(read_changes(conn, source.slot, options, upto_lsn=_current_wal_lsn(conn)))
+        raws = list(read_changes(conn, source.slot, options, upto_lsn=current_wal_lsn(conn)))
         path = Path(out)
         writer = write_parquet if path.suffix.lower() in PARQUET_SUFFIXES else write_jsonl
         count = writer(path, raws)

@@ -91,6 +91,10 @@ def server_version_num(conn: psycopg.Connection) -> int:
     return int(conn.info.server_version)
 
 
+def current_wal_lsn(conn: psycopg.Connection) -> int:
+    return parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+
+
 def confirmed_flush(conn: psycopg.Connection, slot: str) -> int:
     """The slot's confirmed_flush_lsn (0 when the slot does not exist or has none yet)."""
     row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
@@ -103,7 +107,7 @@ def wait_until_caught_up(conninfo: str, slot: str, timeout: float = 120.0) -> No
     import time
 
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        target = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+        target = current_wal_lsn(conn)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if confirmed_flush(conn, slot) >= target:

@@ -37,7 +37,9 @@ from cdc_apply.replication import IDLE_ADVANCE_WAL_SEGMENT, ReplicationCore
 from cdc_apply.sources.capture import read_captures
 from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.sources.raw import RawMessage
-from cdc_apply.sources.slot import PgOutputOptions, advance_slot, confirmed_flush, read_changes, server_version_num
+from cdc_apply.sources.slot import (
+    PgOutputOptions, advance_slot, confirmed_flush, current_wal_lsn, read_changes, server_version_num,
+)
 from cdc_apply.spark.options import ReaderOptions, reader_options
 from cdc_apply.spark.rows import SPARK_DDL, record_batches, typed_schema
 from cdc_apply.spark.typed import TableImages, images_from_catalog, images_from_relations
@@ -126,7 +128,7 @@ class PgOutputBatchReader(DataSourceReader):
             return [CaptureFiles(self.options.paths)]
         with psycopg.connect(self.options.source.conninfo(), autocommit=True) as conn:
             start = confirmed_flush(conn, self.options.source.slot)
-            end = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+            end = current_wal_lsn(conn)
         return [SlotRange(start, end)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -182,7 +184,7 @@ class PgOutputStreamReader(DataSourceStreamReader):
         source = self.options.source
         with self._connect() as conn:
             protocol = _protocol(conn, self.options)
-            upto = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+            upto = current_wal_lsn(conn)
             while True:
                 raws = list(read_changes(conn, source.slot, protocol, upto_lsn=upto, upto_nchanges=window))
                 with _core(self.options, conn) as core:
