@@ -33,6 +33,7 @@ from cdc_apply.apply.options import ApplyOptions, TableOptions
 from cdc_apply.apply.schema import (
     BackfillTargetColumn, ColumnAdded, RenameTargetColumn, describe, diff, initial_columns, plan, relation_columns,
 )
+from cdc_apply.apply.target_state import TargetStates
 from cdc_apply.apply.targets import SourceState, Target, TargetRegistry, metadata_columns
 from cdc_apply.assemble import Transaction
 from cdc_apply.changerows.codec import keep_as_text_hint
@@ -117,6 +118,7 @@ class BatchApplier:
         self.options = options
         self.rows = rows or ChangeRowBuilder(TypeCache(column_types=options.column_type))
         self.registry = TargetRegistry(options.warehouse)
+        self.target_states = TargetStates()
 
     def apply(self, transactions: Iterable[Transaction], *, snapshot: bool = False,
               stream_batch: tuple[str, int] | None = None,
@@ -205,8 +207,9 @@ class BatchApplier:
         result = TableResult(qualified, target.location)
         app_id = self.app_id(oid, versioning.app_prefix)
         version = versioning.version
-        exists = target.exists()  # also when the registry was lost: the table holds its own state
-        writers = target.committed_versions() if exists and not snapshot else {}
+        known = self.target_states.current(target)  # also when the registry was lost: the table holds its state
+        exists = known.exists
+        writers = known.writers if not snapshot else {}
         done = writers.get(app_id)
         # The target equals the source as of ``done`` when this pipeline alone has written it (or
         # creates it now) and the version is an LSN, so rows it holds are dropped below: then a key
@@ -221,7 +224,7 @@ class BatchApplier:
         # are in the target already, whichever path applies this batch: a micro-batch of
         # ``foreach_batch`` drops them too, or an insert-only table would get them twice.
         lsn_done = writers.get(self.app_id(oid))
-        state: SourceState | None = target.source_state() if exists else None
+        state: SourceState | None = known.source
         collapser: Collapser | None = None
         backfills: list[BackfillTargetColumn] = []
         for segment in segments:
@@ -262,7 +265,7 @@ class BatchApplier:
             for key_state in collapsed.states.values():
                 if not key_state.deleted and key_state.commit_lsn < backfill.before_lsn:
                     key_state.values.setdefault(backfill.column, backfill.value)
-        data_types = target.data_types()
+        data_types = known.data_types if state is known.source else target.data_types()
         history = isinstance(collapser, HistoryCollapser)
         # Up to ``merge_until`` the target may hold rows a resumed copy took from a later snapshot
         # than its version says: a first insert there may find its row, so it is merged.
@@ -282,20 +285,25 @@ class BatchApplier:
             metadata["truncate"] = {"lsn": format_lsn(collapsed.truncate.commit_lsn),
                                     "cascade": bool(collapsed.truncate.options & m.TRUNCATE_CASCADE),
                                     "restart_identity": bool(collapsed.truncate.options & m.TRUNCATE_RESTART_IDENTITY)}
+        user_metadata = json.dumps(metadata, sort_keys=True)
+        commit_app_id = None if snapshot else app_id
         try:
             if history:
                 if not state.keys:
                     raise TableConfigError(f"{qualified}: SCD type 2 needs a key; set tables.<name>.keys")
-                merge_history(target, collapser, data_types, state.keys, None if snapshot else app_id, version,
-                              json.dumps(metadata, sort_keys=True))
+                merge_history(target, collapser, data_types, state.keys, commit_app_id, version, user_metadata)
             else:
-                merge_collapsed(target, collapsed, data_types, state.keys, options, None if snapshot else app_id,
-                                version, json.dumps(metadata, sort_keys=True), append=append)
+                merge_collapsed(target, collapsed, data_types, state.keys, options, commit_app_id, version,
+                                user_metadata, append=append)
         except ValueDoesNotFitError as exc:
             source = next((name for name, column in state.column_map().items() if column == exc.column), exc.column)
             raise CdcApplyError(f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."
                                 f"{format_lsn(collapsed.last_lsn or 0)}): {exc}"
                                 f"{keep_as_text_hint(qualified, source)}") from None
+        if state is known.source:
+            self.target_states.wrote(target, known, commit_app_id, version, user_metadata)
+        else:  # created or evolved on the way: read again next time
+            self.target_states.forget(target)
         result.ops = collapsed.op_counts
         result.keys_written = len(collapsed.states)
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn

@@ -129,6 +129,42 @@ class Target:
 
     def committed_versions(self) -> dict[str, int]:
         """Every writer identity's last ``txnVersion`` (Delta's SetTransactions): app id -> version."""
+        empty = self.spark._jvm.scala.Option.empty()  # type: ignore[attr-defined]
+        entries = self._delta_log().update(False, empty, empty).transactions().iterator()
+        versions: dict[str, int] = {}
+        while entries.hasNext():
+            entry = entries.next()
+            versions[str(entry._1())] = int(entry._2())
+        return versions
+
+    def log_version(self) -> int:
+        """The newest version in the Delta log (-1: no table). Lists the log, reads no table state."""
+        empty = self.spark._jvm.scala.Option.empty()  # type: ignore[attr-defined]
+        return int(self._delta_log().update(False, empty, empty).version())
+
+    def commit_is(self, log_version: int, app_id: str | None, txn_version: int, user_metadata: str) -> bool:
+        """Whether the commit ``log_version`` is the one a writer made with these confs: its
+        SetTransaction says ``app_id`` -> ``txn_version`` (or, without an app id, its commit info
+        carries ``user_metadata``). Reads that one commit file."""
+        empty = self.spark._jvm.scala.Option.empty()  # type: ignore[attr-defined]
+        changes = self._delta_log().getChanges(log_version, log_version, empty, False)
+        if not changes.hasNext():
+            return False
+        commit = changes.next()
+        if int(commit._1()) != log_version:
+            return False
+        actions = commit._2().iterator()
+        while actions.hasNext():
+            action = actions.next()
+            kind = action.getClass().getSimpleName()
+            if app_id is not None and kind == "SetTransaction" and str(action.appId()) == app_id:
+                return int(action.version()) == txn_version
+            if app_id is None and kind == "CommitInfo":
+                said = action.userMetadata()
+                return bool(said.isDefined()) and str(said.get()) == user_metadata
+        return False
+
+    def _delta_log(self) -> Any:
         jvm = self.spark._jvm  # type: ignore[attr-defined]
         # Delta rebuilds the snapshot with the JVM thread's active session. A py4j thread of ours
         # (a parallel table, a foreachBatch callback) may have none: set it, or the read fails with
@@ -137,16 +173,8 @@ class Target:
         delta_log = jvm.org.apache.spark.sql.delta.DeltaLog
         if self.by_name:
             table = jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply(self.location)
-            log = delta_log.forTable(self.spark._jsparkSession, table)  # type: ignore[attr-defined]
-        else:
-            log = delta_log.forTable(self.spark._jsparkSession, self.location)  # type: ignore[attr-defined]
-        empty = jvm.scala.Option.empty()
-        entries = log.update(False, empty, empty).transactions().iterator()
-        versions: dict[str, int] = {}
-        while entries.hasNext():
-            entry = entries.next()
-            versions[str(entry._1())] = int(entry._2())
-        return versions
+            return delta_log.forTable(self.spark._jsparkSession, table)  # type: ignore[attr-defined]
+        return delta_log.forTable(self.spark._jsparkSession, self.location)  # type: ignore[attr-defined]
 
     def clear(self) -> None:
         self.spark.sql(f"DELETE FROM {self.sql}")

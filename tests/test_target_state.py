@@ -1,0 +1,67 @@
+"""The applier's cache of each target's Delta state (``apply/target_state.py``), on real Delta tables:
+trusted only while the log holds nothing this applier did not write or read."""
+
+from __future__ import annotations
+
+from cdc_apply.apply.sessionconf import delta_commit_conf
+from cdc_apply.apply.target_state import TargetStates
+from cdc_apply.apply.targets import Target
+
+
+def _append(spark, path: str, app_id: str | None, version: int, metadata: str) -> None:  # type: ignore[no-untyped-def]
+    with delta_commit_conf(spark, app_id, version, metadata):
+        spark.range(2).selectExpr("id", "'x' AS v").write.format("delta").mode("append").save(path)
+
+
+def test_own_commit_is_trusted_and_anyone_elses_is_read_again(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "t")
+    target = Target(spark, path, False)
+    states = TargetStates()
+    assert states.current(target).exists is False
+
+    spark.range(1).selectExpr("id", "'x' AS v").write.format("delta").save(path)
+    first = states.current(target)
+    assert first.exists and first.log_version == 0 and first.writers == {}
+    assert states.current(target) is first  # nothing new in the log: not read again
+
+    _append(spark, path, "pipe/1", 100, "m1")
+    states.wrote(target, first, "pipe/1", 100, "m1")
+    mine = states.current(target)
+    assert mine.log_version == 1 and mine.writers == {"pipe/1": 100}
+    assert states.current(target) is mine
+
+    # A second writer commits: the next batch reads the table's state again and sees it.
+    _append(spark, path, "other/1", 7, "m2")
+    again = states.current(target)
+    assert again is not mine and again.writers == {"pipe/1": 100, "other/1": 7}
+
+    # Our commit lands after someone else's: the log grew by two, so nothing is trusted.
+    _append(spark, path, "other/1", 8, "m3")
+    _append(spark, path, "pipe/1", 101, "m4")
+    states.wrote(target, again, "pipe/1", 101, "m4")
+    assert states.current(target).writers == {"pipe/1": 101, "other/1": 8}
+
+    # A commit that is not the one we made (another app id at the next version) is not taken as ours.
+    before = states.current(target)
+    _append(spark, path, "other/1", 9, "m5")
+    states.wrote(target, before, "pipe/1", 102, "m5")
+    assert states.current(target).writers["pipe/1"] == 101
+
+    # A schema change by anyone: the column types are read again.
+    spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS (w int)")
+    assert states.current(target).data_types == {"id": "bigint", "v": "string", "w": "int"}
+
+
+def test_snapshot_chunk_is_recognised_by_its_commit_info(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "t")
+    spark.range(1).selectExpr("id", "'x' AS v").write.format("delta").save(path)
+    target = Target(spark, path, False)
+    states = TargetStates()
+    before = states.current(target)
+    _append(spark, path, None, 0, '{"copy": 1}')
+    states.wrote(target, before, None, 0, '{"copy": 1}')
+    assert states.current(target).log_version == 1
+    after = states.current(target)
+    _append(spark, path, None, 0, '{"copy": 2}')
+    states.wrote(target, after, None, 0, '{"copy": 3}')  # not the metadata we wrote: forgotten
+    assert states.current(target) is not after and states.current(target).log_version == 2
