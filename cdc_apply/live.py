@@ -7,8 +7,10 @@ What this driver adds:
 - A reconnect starts at the slot's confirmed position with a fresh core: the server re-sends
   every transaction not confirmed, and the targets' Delta transaction versions skip the ones
   that were applied but not yet confirmed.
-- While a batch is written, a heartbeat thread keeps sending the last confirmed position, so a
-  long MERGE does not trip ``wal_sender_timeout``.
+- Batches are written on a writer thread while this thread keeps receiving and decoding the
+  next one (the core's "receive while writing"). Only this thread uses the replication
+  connection: it sends every status update, also while it waits for a write at
+  ``max_changes``, so a long MERGE does not trip ``wal_sender_timeout``.
 - Slot health (``sources.health``) is checked before each replication connection and every
   ``source.health_interval_seconds`` while it is open; an unusable slot stops the run, it is never
   retried. Every status update sent is the metrics' liveness beat (``/healthz``).
@@ -19,22 +21,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import psycopg
 
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
-from cdc_apply.assemble import Transaction
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
 from cdc_apply.pgoutput.framing import Keepalive
 from cdc_apply.pipeline import prepare_source
-from cdc_apply.replication import BatchCut, ReplicationCore, Sink
+from cdc_apply.replication import BatchCut, ReplicationCore
 from cdc_apply.runtime import StopFlag
 from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.snapshot import Snapshotter
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 10.0
+WRITER_POLL_S = 0.05  # how often the receive loop looks at a running write
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 
@@ -109,45 +110,59 @@ class LiveReplicator:
         except BaseException:
             health_conn.close()
             raise
-        core = ReplicationCore(_HeartbeatSink(self.sink, stream, lambda: self.confirmed),
-                               lambda lsn: self._confirm(stream, lsn),
+        core = ReplicationCore(self.sink, lambda lsn: self._confirm(stream, lsn),
                                cut=BatchCut(batching.max_changes, batching.max_seconds), confirmed=self.confirmed,
                                spill_bytes=batching.spill_bytes, skip_origins=source.skip_origins)
+        writer = ThreadPoolExecutor(1, thread_name_prefix="cdc-apply-writer")
         progressed = False
         try:
             stream.start()
             log.info("streaming slot %s of %s", source.slot, source.describe())
             while not self.stop.event.is_set():
-                frames = stream.read(timeout=max(0.0, min(core.seconds_until_due(), 1.0)))
-                idle_end = None
-                reply = False
-                raws = []
-                for frame in frames:
-                    if isinstance(frame, Keepalive):
-                        idle_end = frame.wal_end
-                        reply = reply or frame.reply_requested
-                    else:
-                        raws.append(RawMessage(frame.start_lsn, None, frame.payload, "walsender"))
-                if raws:
-                    failpoint("after_receive")
-                    self.metrics.received_changes(core.feed(raws))
-                if core.batch_due():
-                    core.flush()
-                    progressed = True
-                elif idle_end is not None and not raws and core.advance_idle(idle_end):
-                    reply = False  # the idle advance sent a status update
-                if reply or time.monotonic() - stream.last_status_at >= STATUS_INTERVAL_S:
+                if core.write_done() or core.write_full():
+                    # At max_changes pending, receive nothing more until the write is durable.
+                    progressed = core.finish_write(timeout=0 if core.write_done() else WRITER_POLL_S) or progressed
+                if core.write_ready():
+                    core.start_write(writer)
+                if not core.write_full():
+                    self._receive(stream, core)
+                if time.monotonic() - stream.last_status_at >= STATUS_INTERVAL_S:
                     stream.send_status(self.confirmed)
                 if self.health.due():
                     self.health.check(health_conn, own_pid=stream.conn.pgconn.backend_pid)
-            if core.pending:  # stopping: finish what was received, so a clean stop loses no work
-                core.flush()
-                progressed = True
+            # Stopping: finish what was received, so a clean stop loses no work.
+            if core.writing:
+                progressed = core.finish_write() or progressed
+            if core.pending:
+                core.start_write(writer)
+                progressed = core.finish_write() or progressed
         finally:
+            core.abandon_write()
+            writer.shutdown()
             core.close()
             stream.close()
             health_conn.close()
         return progressed
+
+    def _receive(self, stream: WalSenderStream, core: ReplicationCore) -> None:
+        """One read of the stream into the core; when idle, the keepalive's WAL end may be confirmed."""
+        timeout = WRITER_POLL_S if core.writing or core.pending else 1.0
+        idle_end = None
+        reply = False
+        raws = []
+        for frame in stream.read(timeout=timeout):
+            if isinstance(frame, Keepalive):
+                idle_end = frame.wal_end
+                reply = reply or frame.reply_requested
+            else:
+                raws.append(RawMessage(frame.start_lsn, None, frame.payload, "walsender"))
+        if raws:
+            failpoint("after_receive")
+            self.metrics.received_changes(core.feed(raws))
+        elif idle_end is not None and core.advance_idle(idle_end):
+            reply = False  # the idle advance sent a status update
+        if reply:
+            stream.send_status(self.confirmed)
 
     def _confirm(self, stream: WalSenderStream, lsn: int) -> None:
         stream.send_status(lsn)
@@ -155,40 +170,6 @@ class LiveReplicator:
         self.summary.confirmed_lsn = lsn
         self.metrics.confirmed_to(lsn)
         log.debug("confirmed slot %s to %s", self.config.source.slot, format_lsn(lsn))
-
-
-class _HeartbeatSink:
-    """The Delta sink, with the last confirmed position sent from a thread while it writes."""
-
-    def __init__(self, sink: Sink, stream: WalSenderStream, confirmed: Callable[[], int]) -> None:
-        self.sink = sink
-        self.stream = stream
-        self.confirmed = confirmed
-
-    def write_batch(self, batch: list[Transaction]) -> None:
-        with _heartbeat(self.stream, self.confirmed()):
-            self.sink.write_batch(batch)
-
-
-@contextmanager
-def _heartbeat(stream: WalSenderStream, confirmed: int) -> Iterator[None]:
-    """Send status updates from a thread while the caller is busy (and not using the connection)."""
-    done = threading.Event()
-
-    def beat() -> None:
-        while not done.wait(STATUS_INTERVAL_S):
-            try:
-                stream.send_status(confirmed)
-            except StreamLost:
-                return
-
-    thread = threading.Thread(target=beat, name="walsender-heartbeat", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
 
 
 class BackgroundReplicator:

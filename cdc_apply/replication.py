@@ -16,6 +16,12 @@ Invariants:
 - **Whole transactions.** A batch is cut at transaction boundaries, once it holds
   ``max_changes`` changes or its first transaction has waited ``max_seconds``; a transaction
   larger than ``max_changes`` is one batch.
+- **Receive while writing** (``start_write``/``finish_write``, ``run --follow``). One batch is
+  written at a time, on the caller's writer thread, while the next is received and decoded. A
+  batch is whatever arrived while the last one was written, up to ``max_changes``: batches grow
+  under a backlog and shrink under a light load, and none waits for a timer. At ``max_changes``
+  pending, the driver stops receiving until the write is done (the walsender's TCP window holds
+  the rest). The confirm still follows the durable write, on the driver's thread.
 - **Idle advance, one policy.** With nothing pending and nothing unfinished in the assembler,
   the source's WAL end may be confirmed, so a quiet publication on a busy server does not hold
   its WAL: every later change commits after that point and is sent whole. A source sets
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,6 +81,7 @@ class ReplicationCore:
         self.pending: list[Transaction] = []
         self.pending_changes = 0
         self._pending_since = 0.0
+        self._writing: tuple[Future[None], int] | None = None  # the batch being written, its end
 
     def __enter__(self) -> ReplicationCore:
         return self
@@ -163,9 +171,61 @@ class ReplicationCore:
         self.confirmed = position
         return True
 
+    # -- write while receiving (pipelined drivers) ---------------------------------------------
+
+    @property
+    def writing(self) -> bool:
+        return self._writing is not None
+
+    def write_ready(self) -> bool:
+        """A pipelined driver starts the next batch now: something is pending and no write is running."""
+        return bool(self.pending) and self._writing is None
+
+    def write_full(self) -> bool:
+        """The pending batch has reached ``max_changes`` while a write runs: stop receiving until it ends."""
+        return self._writing is not None and self.pending_changes >= self.cut.max_changes
+
+    def start_write(self, writer: Executor) -> None:
+        """Hand the pending batch to the sink on ``writer``; ``finish_write`` confirms it."""
+        assert self.sink is not None and self._writing is None
+        batch = self.take()
+        failpoint("after_decode")
+        self._writing = (writer.submit(self.sink.write_batch, batch), batch[-1].end_lsn)
+
+    def write_done(self) -> bool:
+        return self._writing is not None and self._writing[0].done()
+
+    def finish_write(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` for the running write; once it is durable, confirm its end.
+        True when the write is finished (its error, if any, is raised here)."""
+        assert self._writing is not None
+        future, end = self._writing
+        try:
+            future.result(timeout)
+        except TimeoutError:
+            return False
+        finally:
+            if future.done():
+                self._writing = None
+        failpoint("before_confirm")
+        self.confirm_up_to(end)
+        return True
+
+    def abandon_write(self) -> None:
+        """The source is gone: wait for the running write without confirming it (the next core
+        starts at the confirmed position, and the targets' versions skip what it made durable)."""
+        if self._writing is not None:
+            future, _ = self._writing
+            self._writing = None
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - the source error that ended the session is the one to report
+                pass
+
     def idle_position(self, wal_end: int) -> int | None:
         """Where an idle source may move to (the idle-advance policy), or None when it is not idle."""
-        if self.pending or self.assembler.unfinished() or wal_end - self.confirmed < max(self.idle_advance_bytes, 1):
+        if self.pending or self._writing is not None or self.assembler.unfinished() \
+                or wal_end - self.confirmed < max(self.idle_advance_bytes, 1):
             return None
         return wal_end
 
