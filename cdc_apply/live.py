@@ -41,7 +41,7 @@ from cdc_apply.snapshot import Snapshotter
 from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sources.raw import RawMessage
-from cdc_apply.sources.slot import PgOutputOptions
+from cdc_apply.sources.slot import PgOutputOptions, wait_until_caught_up
 from cdc_apply.sources.snapshot import SnapshotLost
 from cdc_apply.sources.walsender import StreamLost, WalSenderStream
 
@@ -122,10 +122,9 @@ class LiveReplicator:
                 if core.write_done() or core.write_full():
                     # At max_changes pending, receive nothing more until the write is durable.
                     progressed = core.finish_write(timeout=0 if core.write_done() else WRITER_POLL_S) or progressed
-                if core.write_ready():
+                received = 0 if core.write_full() else self._receive(stream, core)
+                if core.write_ready(drained=received == 0):
                     core.start_write(writer)
-                if not core.write_full():
-                    self._receive(stream, core)
                 if time.monotonic() - stream.last_status_at >= STATUS_INTERVAL_S:
                     stream.send_status(self.confirmed)
                 if self.health.due():
@@ -144,8 +143,9 @@ class LiveReplicator:
             health_conn.close()
         return progressed
 
-    def _receive(self, stream: WalSenderStream, core: ReplicationCore) -> None:
-        """One read of the stream into the core; when idle, the keepalive's WAL end may be confirmed."""
+    def _receive(self, stream: WalSenderStream, core: ReplicationCore) -> int:
+        """One read of the stream into the core (the number of messages); when idle, the
+        keepalive's WAL end may be confirmed."""
         timeout = WRITER_POLL_S if core.writing or core.pending else 1.0
         idle_end = None
         reply = False
@@ -163,6 +163,7 @@ class LiveReplicator:
             reply = False  # the idle advance sent a status update
         if reply:
             stream.send_status(self.confirmed)
+        return len(raws)
 
     def _confirm(self, stream: WalSenderStream, lsn: int) -> None:
         stream.send_status(lsn)
@@ -196,6 +197,17 @@ class BackgroundReplicator:
         """Until the initial copy is done (the slot exists, the targets are in sync) or the thread ended."""
         while not self.replicator.summary.snapshots and self.thread.is_alive():
             time.sleep(0.2)
+
+    def wait_caught_up(self, timeout: float = 120.0) -> None:
+        """Until the slot is confirmed up to the server's WAL position now; raises what ended the
+        pipeline if it stops first."""
+        source = self.replicator.config.source
+        try:
+            wait_until_caught_up(source.conninfo(), source.slot, timeout, running=self.thread.is_alive)
+        except RuntimeError:
+            if self.error is not None:
+                raise self.error from None
+            raise
 
     def finish(self, timeout: float | None = None) -> RunSummary:
         self.stop.event.set()

@@ -18,10 +18,12 @@ Invariants:
   larger than ``max_changes`` is one batch.
 - **Receive while writing** (``start_write``/``finish_write``, ``run --follow``). One batch is
   written at a time, on the caller's writer thread, while the next is received and decoded. A
-  batch is whatever arrived while the last one was written, up to ``max_changes``: batches grow
-  under a backlog and shrink under a light load, and none waits for a timer. At ``max_changes``
-  pending, the driver stops receiving until the write is done (the walsender's TCP window holds
-  the rest). The confirm still follows the durable write, on the driver's thread.
+  batch is whatever arrived while the last one was written: it starts once the writer is free
+  and the source has nothing more waiting, or at ``max_changes`` / ``max_seconds``, whichever
+  comes first. So batches grow under a backlog and shrink under a light load, and none waits for
+  a timer. At ``max_changes`` pending, the driver stops receiving until the write is done (the
+  walsender's TCP window holds the rest). The confirm still follows the durable write, on the
+  driver's thread.
 - **Idle advance, one policy.** With nothing pending and nothing unfinished in the assembler,
   the source's WAL end may be confirmed, so a quiet publication on a busy server does not hold
   its WAL: every later change commits after that point and is sent whole. A source sets
@@ -177,9 +179,10 @@ class ReplicationCore:
     def writing(self) -> bool:
         return self._writing is not None
 
-    def write_ready(self) -> bool:
-        """A pipelined driver starts the next batch now: something is pending and no write is running."""
-        return bool(self.pending) and self._writing is None
+    def write_ready(self, drained: bool) -> bool:
+        """A pipelined driver starts the next batch now: no write is running, and the source had
+        nothing more waiting (``drained``) or the batch is due (``max_changes``, ``max_seconds``)."""
+        return self._writing is None and bool(self.pending) and (drained or self.batch_due())
 
     def write_full(self) -> bool:
         """The pending batch has reached ``max_changes`` while a write runs: stop receiving until it ends."""

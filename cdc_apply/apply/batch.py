@@ -25,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from cdc_apply.apply.collapse import Collapser, MultisetCollapser
+from cdc_apply.apply.collapse import Collapsed, Collapser, MultisetCollapser
+from cdc_apply.apply.columnar import InsertedRows, inserted_rows
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.history import HistoryCollapser, merge_history
 from cdc_apply.apply.merge import ValueDoesNotFitError, merge_collapsed
@@ -67,6 +68,8 @@ class TableResult:
     # ``d__int``, a case clash): readers find a column's current values there
     side_columns: dict[str, str] = field(default_factory=dict)
     skipped: bool = False  # already applied (exactly once)
+    write: str = ""  # how the data was committed: snapshot, append or merge
+    columnar: bool = False  # new rows only, appended straight from Arrow (apply/columnar.py)
     seconds: float = 0.0
 
 
@@ -227,44 +230,51 @@ class BatchApplier:
         state: SourceState | None = known.source
         collapser: Collapser | None = None
         backfills: list[BackfillTargetColumn] = []
-        for segment in segments:
-            rows = segment.rows
-            if lsn_done is not None:
-                rows = [r for r in rows if r["commit_lsn"] > lsn_done]
-            if not rows:
-                continue
-            position = (rows[0]["commit_lsn"], rows[0]["seq"])
-            if state is None:
-                state = self._create(target, segment.relation, options, position)
-            if not registered:
-                self.registry.add(oid, target.location, target.by_name, relation.namespace, relation.name)
-                registered = True
-            else:
-                state, renamed = self._evolve(target, state, segment, options, position, result, backfills)
-                if collapser is not None and renamed:
-                    collapser.rename_columns(renamed)
-                if collapser is not None and state.keys != collapser.key_columns:
-                    collapser.add_key(state.keys)
-            if collapser is None:
-                if options.scd_type == 2:
-                    collapser = HistoryCollapser(qualified, state.keys)
-                elif _whole_row_key(segment.relation, options):
-                    collapser = MultisetCollapser(qualified, state.keys)
+        inserted = (self._columnar_inserts(segments[0], state, options, lsn_done, known.data_types)
+                    if state is not None and state is known.source and registered and appendable
+                    and len(segments) == 1 else None)
+        if inserted is not None:  # new rows only: no collapse, no Python values (apply/columnar.py)
+            collapsed = Collapsed(state.keys, op_counts=Counter(I=inserted.count),  # type: ignore[union-attr]
+                                  first_lsn=inserted.first_lsn, last_lsn=inserted.last_lsn)
+        else:
+            for segment in segments:
+                rows = segment.rows
+                if lsn_done is not None:
+                    rows = [r for r in rows if r["commit_lsn"] > lsn_done]
+                if not rows:
+                    continue
+                position = (rows[0]["commit_lsn"], rows[0]["seq"])
+                if state is None:
+                    state = self._create(target, segment.relation, options, position)
+                if not registered:
+                    self.registry.add(oid, target.location, target.by_name, relation.namespace, relation.name)
+                    registered = True
                 else:
-                    collapser = Collapser(qualified, state.keys)
-            column_map = state.column_map()
-            identity = all(source == target_name for source, target_name in column_map.items())
-            appendable = appendable and _unique_key(segment.relation, column_map, state.keys, options)
-            for row in rows:
-                collapser.add(row, None if identity else column_map)
-        if collapser is None or state is None:
-            result.skipped = True
-            return result
-        collapsed = collapser.result
-        for backfill in backfills:  # rows of this batch last changed before the column existed
-            for key_state in collapsed.states.values():
-                if not key_state.deleted and key_state.commit_lsn < backfill.before_lsn:
-                    key_state.values.setdefault(backfill.column, backfill.value)
+                    state, renamed = self._evolve(target, state, segment, options, position, result, backfills)
+                    if collapser is not None and renamed:
+                        collapser.rename_columns(renamed)
+                    if collapser is not None and state.keys != collapser.key_columns:
+                        collapser.add_key(state.keys)
+                if collapser is None:
+                    if options.scd_type == 2:
+                        collapser = HistoryCollapser(qualified, state.keys)
+                    elif _whole_row_key(segment.relation, options):
+                        collapser = MultisetCollapser(qualified, state.keys)
+                    else:
+                        collapser = Collapser(qualified, state.keys)
+                column_map = state.column_map()
+                identity = all(source == target_name for source, target_name in column_map.items())
+                appendable = appendable and _unique_key(segment.relation, column_map, state.keys, options)
+                for row in rows:
+                    collapser.add(row, None if identity else column_map)
+            if collapser is None or state is None:
+                result.skipped = True
+                return result
+            collapsed = collapser.result
+            for backfill in backfills:  # rows of this batch last changed before the column existed
+                for key_state in collapsed.states.values():
+                    if not key_state.deleted and key_state.commit_lsn < backfill.before_lsn:
+                        key_state.values.setdefault(backfill.column, backfill.value)
         data_types = known.data_types if state is known.source else target.data_types()
         history = isinstance(collapser, HistoryCollapser)
         # Up to ``merge_until`` the target may hold rows a resumed copy took from a later snapshot
@@ -294,7 +304,7 @@ class BatchApplier:
                 merge_history(target, collapser, data_types, state.keys, commit_app_id, version, user_metadata)
             else:
                 merge_collapsed(target, collapsed, data_types, state.keys, options, commit_app_id, version,
-                                user_metadata, append=append)
+                                user_metadata, append=append, rows=inserted.columns if inserted else None)
         except ValueDoesNotFitError as exc:
             source = next((name for name, column in state.column_map().items() if column == exc.column), exc.column)
             raise CdcApplyError(f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."
@@ -305,11 +315,29 @@ class BatchApplier:
         else:  # created or evolved on the way: read again next time
             self.target_states.forget(target)
         result.ops = collapsed.op_counts
-        result.keys_written = len(collapsed.states)
+        result.keys_written = inserted.count if inserted else len(collapsed.states)
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn
         result.seconds = time.perf_counter() - started
-        log.info("%s: %s in %.1f s (%s)", qualified, dict(result.ops), result.seconds, write)
+        result.write, result.columnar = write, inserted is not None
+        log.info("%s: %s in %.1f s (%s%s)", qualified, dict(result.ops), result.seconds, write,
+                 ", columnar" if result.columnar else "")
         return result
+
+    def _columnar_inserts(self, segment: TableChanges, state: SourceState, options: TableOptions,
+                          lsn_done: int | None, data_types: dict[str, str]) -> InsertedRows | None:
+        """The segment as new rows straight from Arrow, when the collapse would change nothing and
+        the rows would be appended (see ``apply/columnar.py``); None otherwise."""
+        relation = segment.relation
+        column_map = state.column_map()
+        if options.scd_type != 1 or _whole_row_key(relation, options) \
+                or (state.keys and not _unique_key(relation, column_map, state.keys, options)):
+            return None
+        if diff(state.columns, self._columns(relation, options)) \
+                or self._later_keys(state, relation, options) != state.keys:
+            return None  # a schema change: the collapse path evolves the target first
+        inserted = inserted_rows(segment, lsn_done, column_map, state.keys, data_types)
+        # Up to ``merge_until`` the target may already hold a first insert's row (see below).
+        return inserted if inserted is not None and inserted.first_lsn > state.merge_until else None
 
     def _columns(self, relation: m.Relation, options: TableOptions) -> list[tuple[str, str]]:
         return [(name, spark_type) for name, spark_type in relation_columns(relation, self.rows.types)

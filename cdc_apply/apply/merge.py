@@ -130,10 +130,16 @@ class ValueDoesNotFitError(CdcApplyError):
 
 def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str],
                     options: TableOptions, app_id: str | None, version: int, user_metadata: str,
-                    append: bool = False) -> None:
+                    append: bool = False, rows: Mapping[str, pa.Array] | None = None) -> None:
     """One Delta commit. ``append``: every row is new to the table (initial snapshot chunks, or a
-    batch of new rows only: ``Collapsed.new_rows_only``), so a plain append writes it."""
+    batch of new rows only: ``Collapsed.new_rows_only``), so a plain append writes it. ``rows``:
+    those new rows as target columns already (``apply/columnar.py``), in place of the collapsed states."""
     spark = target.spark
+    if rows is not None:
+        assert append, "rows given as columns are new rows: appended"
+        with delta_commit_conf(spark, app_id, version, user_metadata):
+            _write_rows(target, typed_frame(spark, rows, data_types), options, overwrite=False)
+        return
     if collapsed.multiplicity is not None:
         with delta_commit_conf(spark, app_id, version, user_metadata):
             _write_multiset(target, collapsed, data_types, keys)
@@ -150,12 +156,15 @@ def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[st
 
 def _append(target: Target, source: DataFrame, collapsed: Collapsed, options: TableOptions) -> None:
     """New rows (and tables without a key, REPLICA IDENTITY NOTHING: inserts only); a truncate overwrites."""
+    _write_rows(target, source.where(f"{OP} = 'U'").drop(OP, KEEP), options, overwrite=collapsed.truncate is not None)
+
+
+def _write_rows(target: Target, rows: DataFrame, options: TableOptions, overwrite: bool) -> None:
     from pyspark.sql import functions as F
 
-    rows = source.where(f"{OP} = 'U'").drop(OP, KEEP)
     if options.delete_mode == "soft":
         rows = rows.withColumn(DELETED, F.lit(False))
-    target.write(rows, "overwrite" if collapsed.truncate else "append")
+    target.write(rows, "overwrite" if overwrite else "append")
 
 
 def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str]) -> None:

@@ -23,7 +23,7 @@ from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgoutput.framing import XLogData
 from cdc_apply.pgserver import PgServer
 from cdc_apply.sources.preflight import protocol_options
-from cdc_apply.sources.slot import create_slot, server_version_num, wait_until_caught_up
+from cdc_apply.sources.slot import create_slot, server_version_num
 from cdc_apply.sources.walsender import WalSenderStream
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def steady_follow(server: PgServer, config: Config, spark: SparkSession, seconds
     started = time.perf_counter()
     time.sleep(seconds)
     load.finish()
-    wait_until_caught_up(server.dsn, config.source.slot, timeout=600)
+    pipeline.wait_caught_up(timeout=600)
     elapsed = time.perf_counter() - started
     pipeline.finish()
     summary = pipeline.replicator.summary
@@ -79,7 +79,7 @@ def catchup_follow(server: PgServer, config: Config, spark: SparkSession) -> tup
     """``run --follow`` over the slot's backlog: (changes applied, seconds until caught up)."""
     pipeline = BackgroundReplicator(config, spark).start()
     started = time.perf_counter()
-    wait_until_caught_up(server.dsn, config.source.slot, timeout=1800)
+    pipeline.wait_caught_up(timeout=1800)
     seconds = time.perf_counter() - started
     pipeline.finish()
     return sum(b.changes for b in pipeline.replicator.summary.batches), seconds

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import psycopg
@@ -102,8 +102,10 @@ def confirmed_flush(conn: psycopg.Connection, slot: str) -> int:
     return parse_lsn(row[0]) if row and row[0] else 0
 
 
-def wait_until_caught_up(conninfo: str, slot: str, timeout: float = 120.0) -> None:
-    """Until the slot's confirmed position reaches the WAL position at the time of the call."""
+def wait_until_caught_up(conninfo: str, slot: str, timeout: float = 120.0,
+                         running: Callable[[], bool] = lambda: True) -> None:
+    """Until the slot's confirmed position reaches the WAL position at the time of the call.
+    ``running``: whether whatever confirms the slot is still at work (no use waiting once it stopped)."""
     import time
 
     with psycopg.connect(conninfo, autocommit=True) as conn:
@@ -112,5 +114,7 @@ def wait_until_caught_up(conninfo: str, slot: str, timeout: float = 120.0) -> No
         while time.monotonic() < deadline:
             if confirmed_flush(conn, slot) >= target:
                 return
+            if not running():
+                raise RuntimeError(f"slot {slot}: the pipeline stopped before it caught up")
             time.sleep(0.2)
     raise TimeoutError(f"slot {slot} did not reach the WAL position within {timeout} s")
