@@ -3,7 +3,7 @@
 A batch needs four things of a target before it writes: whether it exists, every writer's last
 transaction version (Delta's SetTransactions: rebuilding them costs a Spark job after each new
 commit), the source state in its properties (``DESCRIBE DETAIL``) and its column types. A
-long-lived applier reads them once and keeps them (docs/architecture.md, invariant 8):
+long-lived applier reads them once and keeps them (docs/architecture.md, invariant 13):
 
 - An entry is trusted only while the Delta log's newest version is the one it was read at or the
   one this applier's own data commit made. Checking that lists the log and reads no table state.
