@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config", help="YAML config file")
 
     bench = verb("bench", _cmd_bench, "benchmarks that report side-by-side ratios")
-    bench.add_argument("benchmark", choices=["decode", "apply", "e2e", "stream"], help="which benchmark")
+    bench.add_argument("benchmark", choices=["decode", "apply", "e2e", "stream", "soak", "memory"], help="which benchmark")
     bench.add_argument("--messages", type=int, default=500_000, help="decode: messages to generate")
     bench.add_argument("--binary", action="store_true", help="decode: capture with binary=true")
     bench.add_argument("--rounds", type=int, default=3, help="decode: timed rounds per stage (medians compared)")
@@ -248,9 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--per-transaction-slice", type=int, default=2_000,
                        help="apply: changes applied as one MERGE per 100-row transaction, for comparison")
     bench.add_argument("--seconds", type=float, default=30.0, help="e2e, stream: length of each load phase")
-    bench.add_argument("--rate", type=float, default=50.0, help="e2e, stream: steady transactions/s per session")
-    bench.add_argument("--sessions", type=int, default=2, help="e2e: concurrent load sessions")
-    bench.add_argument("--parallel-tables", type=int, default=4, help="e2e: batching.parallel_tables")
+    bench.add_argument("--rate", type=float, default=50.0, help="e2e, stream, soak: steady transactions/s per session")
+    bench.add_argument("--sessions", type=int, default=2, help="e2e, soak: concurrent load sessions")
+    bench.add_argument("--parallel-tables", type=int, default=4, help="e2e, soak: batching.parallel_tables")
+    bench.add_argument("--minutes", type=float, default=30.0, help="soak: length of the steady load")
+    bench.add_argument("--megabytes", type=float, default=1024.0, help="memory: row data in the one large transaction")
+    bench.add_argument("--capacity-steps", type=int, default=4,
+                       help="e2e: steady rates tried, doubling from --rate, for the capacity search (0: none)")
     return parser
 
 

@@ -139,6 +139,7 @@ class TargetConfig(_Strict):
     path_template: str = "{schema}/{table}"
     name_template: str | None = None
     properties: dict[str, str] = {}
+    optimize_every_commits: int = Field(100, ge=0, le=1_000_000)  # 0: never
 
     @field_validator("path_template", "name_template")
     @classmethod

@@ -28,14 +28,18 @@ class RunSummary:
     rounds: int = 0
     snapshots: list[TableSnapshot] = field(default_factory=list)
     lag_seconds: list[float] = field(default_factory=list)  # commit in PostgreSQL -> visible in Delta
+    visible_at: list[float] = field(default_factory=list)  # when each batch became visible (Unix time)
+    lag_timeline: list[tuple[float, float]] = field(default_factory=list)  # (visible at, lag) per transaction
     reconnects: int = 0
     metrics: PipelineMetrics | None = None  # told every batch, when the run exports metrics
 
     def record(self, result: BatchResult, transactions: list[Transaction]) -> None:
         visible_at = time.time()
         self.batches.append(result)
+        self.visible_at.append(visible_at)
         lags = [visible_at - pg_us_to_unix_us(t.commit_ts) / 1e6 for t in transactions]
         self.lag_seconds += lags
+        self.lag_timeline += [(visible_at, lag) for lag in lags]
         if self.metrics is not None:
             self.metrics.batch_applied(result, transactions, lags)
 

@@ -25,13 +25,34 @@ def test_bench_apply_reports_merge_against_append() -> None:
     run = _cli("bench", "apply", "--rows", "2000", "--changes", "500", "--per-transaction-slice", "200")
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.search(r"ratio MERGE apply / append:\s+[0-9.]+x", run.stdout), run.stdout[-3000:]
+    assert re.search(r"from a cached DataFrame: [0-9.]+ s; ratio MERGE apply / that: [0-9.]+x", run.stdout)
 
 
 def test_bench_e2e_reports_lag_and_catch_up_against_delivery() -> None:
-    run = _cli("bench", "e2e", "--seconds", "3", "--rate", "10")
+    run = _cli("bench", "e2e", "--seconds", "3", "--rate", "10", "--capacity-steps", "1")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert re.search(r"lag p50 [0-9.]+ s, p99 [0-9.]+ s", run.stdout), run.stdout[-3000:]
     assert _ratio(run.stdout, "pipeline catch-up") > 0
+    assert re.search(r"capacity step 1: 2 x 10 tx/s -> [0-9,]+ changes/s, lag p99 [0-9.]+ s", run.stdout)
+    assert re.search(r"capacity \(p99 <= 10 s\) +[0-9,]+ changes/s +ratio [0-9.]+x", run.stdout), run.stdout[-2000:]
+
+
+def test_bench_memory_reports_the_peak_rss_of_a_large_streamed_transaction() -> None:
+    run = _cli("bench", "memory", "--megabytes", "20")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    peak = re.search(r"peak RSS: Python driver ([0-9,]+) MB \(before the transaction ([0-9,]+) MB", run.stdout)
+    assert peak and int(peak[1].replace(",", "")) >= int(peak[2].replace(",", "")) > 0, run.stdout[-3000:]
+
+
+def test_bench_soak_reports_batch_times_over_time_and_the_targets_files() -> None:
+    run = _cli("bench", "soak", "--minutes", "0.3", "--rate", "10")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"public.accounts +batch apply median: first minute [0-9.]+ s, last minute [0-9.]+ s, "
+                     r"ratio [0-9.]+x", run.stdout), run.stdout[-3000:]
+    files = re.search(r"public.ledger +([0-9,]+) rows in +([0-9]+) files, log version ([0-9]+), whole-table read "
+                      r"[0-9.]+ s \(Spark\), [0-9.]+ s \(delta-rs, ([0-9,]+) rows\)", run.stdout)
+    assert files, run.stdout[-3000:]
+    assert int(files[1].replace(",", "")) > 0 and files[1] == files[4]  # both readers saw every row
 
 
 def test_bench_stream_compares_the_streaming_query_with_follow() -> None:

@@ -310,10 +310,12 @@ class BatchApplier:
             raise CdcApplyError(f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."
                                 f"{format_lsn(collapsed.last_lsn or 0)}): {exc}"
                                 f"{keep_as_text_hint(qualified, source)}") from None
-        if state is known.source:
-            self.target_states.wrote(target, known, commit_app_id, version, user_metadata)
-        else:  # created or evolved on the way: read again next time
+        log_version = (self.target_states.wrote(target, known, commit_app_id, version, user_metadata)
+                       if state is known.source else None)
+        if log_version is None:  # created or evolved on the way, or another commit came between: read again
             self.target_states.forget(target)
+        else:
+            self._compact_now_and_then(target, known.log_version, log_version)
         result.ops = collapsed.op_counts
         result.keys_written = inserted.count if inserted else len(collapsed.states)
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn
@@ -322,6 +324,25 @@ class BatchApplier:
         log.info("%s: %s in %.1f s (%s%s)", qualified, dict(result.ops), result.seconds, write,
                  ", columnar" if result.columnar else "")
         return result
+
+    def _compact_now_and_then(self, target: Target, before: int, after: int) -> None:
+        """OPTIMIZE a target each time its log version passes a multiple of ``optimize_every_commits``,
+        so a stream of small commits does not leave ever more small files. It counts the table's
+        own versions, so it works the same across restarts and short ``run --once`` runs. A failed
+        compaction is only logged: the data is committed, and the next multiple tries again."""
+        every = self.options.optimize_every_commits
+        if not every or after // every == before // every:
+            return
+        started = time.perf_counter()
+        try:
+            target.delta().optimize().executeCompaction()
+        except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a committed batch
+            log.warning("%s: compaction failed (retried at the next %d commits): %s", target.location, every,
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        else:
+            log.info("%s: compacted small files at version %d in %.1f s", target.location, after,
+                     time.perf_counter() - started)
+        self.target_states.forget(target)
 
     def _columnar_inserts(self, segment: TableChanges, state: SourceState, options: TableOptions,
                           lsn_done: int | None, data_types: dict[str, str]) -> InsertedRows | None:

@@ -92,6 +92,7 @@ class ApplyOptions:
     parallel_tables: int = 1
     path_template: str = "{schema}/{table}"  # under the warehouse
     name_template: str | None = None  # a catalog table name instead of a path, e.g. "lake.{schema}_{table}"
+    optimize_every_commits: int = 0  # compact a target's small files when its log version crosses a multiple
 
     def default_target(self, schema: str, table: str) -> tuple[str, bool]:
         """(location, by_name) of a table's target when its options name none.
@@ -138,4 +139,5 @@ def apply_options(config: Config) -> ApplyOptions:
                         parallel_tables=config.batching.parallel_tables,
                         path_template=config.target.path_template, name_template=config.target.name_template,
                         tables={pattern: table_options(table) for pattern, table in config.tables.items()},
-                        defaults=table_options(config.defaults), table_properties=dict(config.target.properties))
+                        defaults=table_options(config.defaults), table_properties=dict(config.target.properties),
+                        optimize_every_commits=config.target.optimize_every_commits)

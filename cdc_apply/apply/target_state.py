@@ -59,8 +59,9 @@ class TargetStates:
         return state
 
     def wrote(self, target: Target, before: TargetState, app_id: str | None, txn_version: int,
-              user_metadata: str) -> None:
-        """After this applier's one data commit on ``before``, made with these commit confs."""
+              user_metadata: str) -> int | None:
+        """After this applier's one data commit on ``before``, made with these commit confs: the
+        log version it made, or None when the log holds more than that commit (nothing is kept)."""
         if before.exists:
             version = target.log_version()
             if version == before.log_version + 1 and target.commit_is(version, app_id, txn_version, user_metadata):
@@ -68,8 +69,9 @@ class TargetStates:
                 after = TargetState(True, version, writers, before.source, before.data_types)
                 with self._lock:
                     self._entries[target.location] = after
-                return
+                return version
         self.forget(target)
+        return None
 
     def forget(self, target: Target) -> None:
         with self._lock:

@@ -19,7 +19,18 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     if name == "e2e":
         from cdc_apply.bench.e2e import bench_e2e
 
-        bench_e2e(seconds=args.seconds, rate=args.rate, sessions=args.sessions, parallel_tables=args.parallel_tables)
+        bench_e2e(seconds=args.seconds, rate=args.rate, sessions=args.sessions, parallel_tables=args.parallel_tables,
+                  capacity_steps=args.capacity_steps)
+        return 0
+    if name == "memory":
+        from cdc_apply.bench.memory import bench_memory
+
+        bench_memory(megabytes=args.megabytes)
+        return 0
+    if name == "soak":
+        from cdc_apply.bench.soak import bench_soak
+
+        bench_soak(minutes=args.minutes, rate=args.rate, sessions=args.sessions, parallel_tables=args.parallel_tables)
         return 0
     if name == "stream":
         from cdc_apply.bench.stream import bench_stream

@@ -51,10 +51,12 @@ def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> tuple[i
 
 
 def steady_follow(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float,
-                  sessions: int, seed: int = 1) -> tuple[float, RunSummary]:
-    """``run --follow`` under a steady load: (changes/s applied, its run summary with the lag)."""
+                  sessions: int, seed: int = 1, first: bool = True) -> tuple[float, RunSummary]:
+    """``run --follow`` under a steady load: (changes/s applied, its run summary with the lag).
+    ``first``: the pipeline's first run, which creates the slot and copies the (empty) tables."""
     pipeline = BackgroundReplicator(config, spark).start()
-    pipeline.wait_for_snapshots()  # the slot and the (empty) targets exist
+    if first:
+        pipeline.wait_for_snapshots()  # the slot and the (empty) targets exist
     load = Load(server.dsn, sessions=sessions, rate_per_session=rate, big_every=0, seed=seed).start()
     started = time.perf_counter()
     time.sleep(seconds)
@@ -85,6 +87,29 @@ def catchup_follow(server: PgServer, config: Config, spark: SparkSession) -> tup
     return sum(b.changes for b in pipeline.replicator.summary.batches), seconds
 
 
+def capacity(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float,
+             sessions: int, steps: int) -> tuple[float, list[tuple[float, float, float]]]:
+    """Double the steady rate from ``rate`` until the lag p99 passes ``CAPACITY_LAG_S`` (or ``steps``
+    rates were tried): the highest changes/s held, and (tx/s per session, changes/s, p99) per step."""
+    held = 0.0
+    tried = []
+    for step in range(steps):
+        step_rate = rate * 2 ** step
+        applied, summary = steady_follow(server, config, spark, seconds, step_rate, sessions, seed=10 + step,
+                                         first=False)
+        p99 = summary.lag_percentile(0.99) or 0.0
+        tried.append((step_rate, applied, p99))
+        print(f"  capacity step {step + 1}: {sessions} x {step_rate:g} tx/s -> {applied:,.0f} changes/s, "
+              f"lag p99 {p99:.2f} s", flush=True)
+        if p99 > CAPACITY_LAG_S:
+            break
+        held = applied
+    return held, tried
+
+
+CAPACITY_LAG_S = 10.0
+
+
 def bench_config(server: PgServer, warehouse: str, slot: str, parallel_tables: int = 4) -> Config:
     return parse_config({"pipeline": slot, "source": {"dsn": server.dsn, "slot": slot, "publication": "bench"},
                          "target": {"warehouse": warehouse},
@@ -93,7 +118,7 @@ def bench_config(server: PgServer, warehouse: str, slot: str, parallel_tables: i
 
 
 def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
-              parallel_tables: int = 4) -> dict[str, float]:
+              parallel_tables: int = 4, capacity_steps: int = 4) -> dict[str, float]:
     warehouse = tempfile.mkdtemp(prefix="cdc_apply_bench_e2e_")
     with PgServer() as server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
@@ -101,15 +126,18 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
         config = bench_config(server, warehouse, "bench", parallel_tables)
         spark = build_spark_session(config.spark)
 
-        print(f"1/2 steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming ...", flush=True)
+        print(f"1/3 steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming ...", flush=True)
         steady_rate, steady = steady_follow(server, config, spark, seconds, rate, sessions)
 
-        print(f"2/2 backlog: unthrottled load for {seconds:g} s with the pipeline stopped ...", flush=True)
+        print(f"2/3 backlog: unthrottled load for {seconds:g} s with the pipeline stopped ...", flush=True)
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             create_slot(conn, "delivery")
         upto = backlog(server, seconds, sessions)
         delivered, delivery_seconds = _delivery(server, config, "delivery", upto)
         catchup_changes, catchup_seconds = catchup_follow(server, config, spark)
+        print(f"3/3 capacity: the steady rate doubled from {rate:g} tx/s per session until the lag p99 passes "
+              f"{CAPACITY_LAG_S:g} s (at most {capacity_steps} rates) ...", flush=True)
+        held, _ = capacity(server, config, spark, seconds, rate, sessions, capacity_steps)
         spark.stop()
     result = {
         "steady_changes_per_s": steady_rate,
@@ -119,6 +147,8 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
         "catchup_changes_per_s": catchup_changes / catchup_seconds,
     }
     result["ratio_catchup_to_delivery"] = result["catchup_changes_per_s"] / result["delivery_changes_per_s"]
+    result["capacity_changes_per_s"] = held
+    result["ratio_capacity_to_delivery"] = held / result["delivery_changes_per_s"]
     print(f"bench e2e ({sessions} sessions, {seconds:g} s per phase, {parallel_tables} table(s) at once)")
     print(f"  steady load            {result['steady_changes_per_s']:>10,.0f} changes/s applied, "
           f"lag p50 {result['lag_p50_s']:.2f} s, p99 {result['lag_p99_s']:.2f} s")
@@ -126,5 +156,7 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
           f"({delivered:,} changes in {delivery_seconds:.2f} s)")
     print(f"  pipeline catch-up      {result['catchup_changes_per_s']:>10,.0f} changes/s "
           f"({catchup_changes:,} changes in {catchup_seconds:.2f} s)  "
-          f"ratio {result['ratio_catchup_to_delivery']:.3f}x")
+          f"ratio {result['ratio_catchup_to_delivery']:.3f}x (goal >= 0.4x)")
+    print(f"  capacity (p99 <= {CAPACITY_LAG_S:g} s) {held:>10,.0f} changes/s  "
+          f"ratio {result['ratio_capacity_to_delivery']:.3f}x (goal >= 0.25x)")
     return result
