@@ -6,6 +6,7 @@ from __future__ import annotations
 from cdc_apply.apply.sessionconf import delta_commit_conf
 from cdc_apply.apply.target_state import TargetStates
 from cdc_apply.apply.targets import Target
+from tests.test_type_roundtrip import captured  # noqa: F401 - the module-scoped capture fixture
 
 
 def _append(spark, path: str, app_id: str | None, version: int, metadata: str) -> None:  # type: ignore[no-untyped-def]
@@ -65,3 +66,22 @@ def test_snapshot_chunk_is_recognised_by_its_commit_info(spark, tmp_path) -> Non
     _append(spark, path, None, 0, '{"copy": 2}')
     states.wrote(target, after, None, 0, '{"copy": 3}')  # not the metadata we wrote: forgotten
     assert states.current(target) is not after and states.current(target).log_version == 2
+
+
+def test_targets_are_compacted_every_n_commits_and_keep_their_rows(captured, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """``optimize_every_commits``: an OPTIMIZE each time the log version passes a multiple; the rows stay."""
+    from cdc_apply.apply.batch import BatchApplier
+    from cdc_apply.apply.options import ApplyOptions, TableOptions
+    from cdc_apply.assemble import Assembler
+
+    columns, _, decoded, captures = captured
+    two_dimensional = next(name for name, type_name in columns.items() if type_name == "int4[]")
+    options = ApplyOptions(warehouse=str(tmp_path), optimize_every_commits=2,
+                           defaults=TableOptions(columns_exclude=(two_dimensional,)))
+    applier = BatchApplier(spark, options)
+    for transaction in Assembler().transactions(captures[False]):  # one batch per row: one commit each
+        applier.apply([transaction])
+    path = f"{tmp_path}/public/typed"
+    operations = [row["operation"] for row in spark.sql(f"DESCRIBE HISTORY delta.`{path}`").collect()]
+    assert operations.count("OPTIMIZE") >= 1, operations
+    assert sorted(r["id"] for r in spark.read.format("delta").load(path).collect()) == sorted(decoded[False])
