@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -203,13 +203,10 @@ class ReplicationCore:
         True when the write is finished (its error, if any, is raised here)."""
         assert self._writing is not None
         future, end = self._writing
-        try:
-            future.result(timeout)
-        except TimeoutError:
+        if not wait([future], timeout).done:
             return False
-        finally:
-            if future.done():
-                self._writing = None
+        self._writing = None
+        future.result()  # the write's error, if it failed
         failpoint("before_confirm")
         self.confirm_up_to(end)
         return True
