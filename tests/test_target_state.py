@@ -84,4 +84,4 @@ def test_targets_are_compacted_every_n_commits_and_keep_their_rows(captured, spa
     path = f"{tmp_path}/public/typed"
     operations = [row["operation"] for row in spark.sql(f"DESCRIBE HISTORY delta.`{path}`").collect()]
     assert operations.count("OPTIMIZE") >= 1, operations
-    assert sorted(r["id"] for r in spark.read.format("delta").load(path).collect()) == sorted(decoded[False])
+    assert sorted(r["id"] for r in spark.read.format("delta").load(path).select("id").collect()) == sorted(decoded[False])
