@@ -117,14 +117,19 @@ def bench_config(server: PgServer, warehouse: str, slot: str, parallel_tables: i
                          "stream": {"interval_seconds": 1.0}})
 
 
+def prepared(server: PgServer, slot: str, parallel_tables: int) -> tuple[Config, SparkSession]:
+    """The load's tables on ``server``, a pipeline config for them on ``slot`` with a fresh
+    warehouse, and its Spark session."""
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        create_schema(conn, "bench")
+    config = bench_config(server, tempfile.mkdtemp(prefix=f"cdc_apply_bench_{slot}_"), slot, parallel_tables)
+    return config, build_spark_session(config.spark)
+
+
 def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
               parallel_tables: int = 4, capacity_steps: int = 4) -> dict[str, float]:
-    warehouse = tempfile.mkdtemp(prefix="cdc_apply_bench_e2e_")
     with PgServer() as server:
-        with psycopg.connect(server.dsn, autocommit=True) as conn:
-            create_schema(conn, "bench")
-        config = bench_config(server, warehouse, "bench", parallel_tables)
-        spark = build_spark_session(config.spark)
+        config, spark = prepared(server, "bench", parallel_tables)
 
         print(f"1/3 steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming ...", flush=True)
         steady_rate, steady = steady_follow(server, config, spark, seconds, rate, sessions)

@@ -10,17 +10,13 @@ delta-rs where it can read the table).
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from collections import defaultdict
 
-import psycopg
-
-from cdc_apply.bench.e2e import bench_config
-from cdc_apply.bench.load import TABLES, Load, create_schema
+from cdc_apply.bench.e2e import prepared
+from cdc_apply.bench.load import TABLES, Load
 from cdc_apply.live import BackgroundReplicator
 from cdc_apply.pgserver import PgServer
-from cdc_apply.spark import build_spark_session
 
 
 def _minute_medians(samples: list[tuple[float, float]], started: float, minutes: float) -> tuple[float, float]:
@@ -32,12 +28,9 @@ def _minute_medians(samples: list[tuple[float, float]], started: float, minutes:
 
 def bench_soak(minutes: float = 30.0, rate: float = 20.0, sessions: int = 2,
                parallel_tables: int = 4) -> dict[str, float]:
-    warehouse = tempfile.mkdtemp(prefix="cdc_apply_bench_soak_")
     with PgServer() as server:
-        with psycopg.connect(server.dsn, autocommit=True) as conn:
-            create_schema(conn, "bench")
-        config = bench_config(server, warehouse, "soak", parallel_tables)
-        spark = build_spark_session(config.spark)
+        config, spark = prepared(server, "soak", parallel_tables)
+        warehouse = config.target.warehouse
         pipeline = BackgroundReplicator(config, spark).start()
         pipeline.wait_for_snapshots()
         print(f"soak: {sessions} sessions x {rate:g} tx/s for {minutes:g} min while streaming ...", flush=True)
