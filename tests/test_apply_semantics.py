@@ -187,3 +187,39 @@ def test_batches_of_new_rows_are_appended_and_others_merged(db18, spark, tmp_pat
     live = delta_rows(spark, f"{soft}/public/n", ["id", "v"], types, where="NOT _cdc_deleted")
     assert live == truth
     assert spark.read.format("delta").load(f"{soft}/public/n").where("_cdc_deleted IS NULL").count() == 0
+
+
+def test_updates_and_deletes_collapse_as_columns(db18, spark, tmp_path):  # type: ignore[no-untyped-def]
+    """A batch of inserts, updates and deletes, many to one key, collapses as Arrow columns
+    (apply/columnar.py) and MERGEs to PostgreSQL's rows, with hard and with soft deletes; a batch
+    with a key change takes the row-by-row collapse."""
+    server, dbname = db18
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute("CREATE TABLE c (id int PRIMARY KEY, v text, n numeric(10,2), t timestamptz);"
+                     "CREATE PUBLICATION pc FOR TABLE c")
+        create_slot(conn, "sc")
+        conn.execute("INSERT INTO c SELECT g, 'a' || g, g / 4.0, now() FROM generate_series(1, 40) g")
+        with conn.transaction():
+            conn.execute("UPDATE c SET v = v || 'u', n = NULL WHERE id % 3 = 0")
+            conn.execute("DELETE FROM c WHERE id % 5 = 0")
+            conn.execute("INSERT INTO c VALUES (5, 'back', 1.5, NULL), (41, 'new', 2, now()), (42, 'gone', 3, now())")
+        with conn.transaction():
+            conn.execute("UPDATE c SET v = 'again' WHERE id IN (5, 6, 41)")
+            conn.execute("DELETE FROM c WHERE id IN (42, 7)")
+        conn.execute("UPDATE c SET id = 100 WHERE id = 8")  # a key change: row by row
+        truth = postgres_rows(conn, "public.c", ["id", "v", "n", "t"])
+        types = source_types(conn, "public.c")
+    capture = tmp_path / "c.jsonl"
+    write_jsonl(capture, peek(server, dbname, "sc", PgOutputOptions(("pc",))))
+    transactions = list(Assembler().transactions(read_captures([str(capture)])))
+    assert len(transactions) == 4
+    for delete_mode in ("hard", "soft"):
+        warehouse = str(tmp_path / delete_mode)
+        applier = BatchApplier(spark, ApplyOptions(warehouse=warehouse, defaults=TableOptions(delete_mode=delete_mode)))
+        assert not applier.apply(transactions[:1]).tables[0].columnar  # creates the target
+        both = applier.apply(transactions[1:3]).tables[0]
+        assert both.columnar and both.write == "merge" and both.ops == {"U": 16, "D": 10, "I": 3}
+        assert both.keys_written == 22  # 13 updated and 8 deleted (2 of them both), 41, 42, 7
+        assert not applier.apply(transactions[3:]).tables[0].columnar
+        where = "NOT _cdc_deleted" if delete_mode == "soft" else None
+        assert delta_rows(spark, f"{warehouse}/public/c", ["id", "v", "n", "t"], types, where=where) == truth, delete_mode

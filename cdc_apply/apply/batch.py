@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from cdc_apply.apply.collapse import Collapsed, Collapser, MultisetCollapser
-from cdc_apply.apply.columnar import InsertedRows, inserted_rows
+from cdc_apply.apply.columnar import CollapsedColumns, collapsed_columns
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.history import HistoryCollapser, merge_history
 from cdc_apply.apply.merge import ValueDoesNotFitError, merge_collapsed
@@ -69,7 +69,7 @@ class TableResult:
     side_columns: dict[str, str] = field(default_factory=dict)
     skipped: bool = False  # already applied (exactly once)
     write: str = ""  # how the data was committed: snapshot, append or merge
-    columnar: bool = False  # new rows only, appended straight from Arrow (apply/columnar.py)
+    columnar: bool = False  # collapsed as Arrow columns (apply/columnar.py), not row by row
     seconds: float = 0.0
 
 
@@ -230,12 +230,13 @@ class BatchApplier:
         state: SourceState | None = known.source
         collapser: Collapser | None = None
         backfills: list[BackfillTargetColumn] = []
-        inserted = (self._columnar_inserts(segments[0], state, options, lsn_done, known.data_types)
-                    if state is not None and state is known.source and registered and appendable
-                    and len(segments) == 1 else None)
-        if inserted is not None:  # new rows only: no collapse, no Python values (apply/columnar.py)
-            collapsed = Collapsed(state.keys, op_counts=Counter(I=inserted.count),  # type: ignore[union-attr]
-                                  first_lsn=inserted.first_lsn, last_lsn=inserted.last_lsn)
+        columnar = (self._columnar_collapse(segments[0], state, options, lsn_done, known.data_types)
+                    if state is not None and registered and len(segments) == 1 else None)
+        if columnar is not None:  # no Python values on the way (apply/columnar.py)
+            collapsed = Collapsed(state.keys, op_counts=columnar.op_counts,  # type: ignore[union-attr]
+                                  first_lsn=columnar.first_lsn, last_lsn=columnar.last_lsn)
+            appendable = appendable and _unique_key(relation, state.column_map(), state.keys, options)  # type: ignore[union-attr]
+            new_rows_only = columnar.new_rows_only
         else:
             for segment in segments:
                 rows = segment.rows
@@ -271,6 +272,7 @@ class BatchApplier:
                 result.skipped = True
                 return result
             collapsed = collapser.result
+            new_rows_only = collapsed.new_rows_only
             for backfill in backfills:  # rows of this batch last changed before the column existed
                 for key_state in collapsed.states.values():
                     if not key_state.deleted and key_state.commit_lsn < backfill.before_lsn:
@@ -280,7 +282,7 @@ class BatchApplier:
         # Up to ``merge_until`` the target may hold rows a resumed copy took from a later snapshot
         # than its version says: a first insert there may find its row, so it is merged.
         converged = (collapsed.first_lsn or 0) > state.merge_until
-        append = snapshot or (appendable and converged and not history and collapsed.new_rows_only)
+        append = snapshot or (appendable and converged and not history and new_rows_only)
         write = "snapshot" if snapshot else "append" if append else "merge"
         metadata = {"cdc_apply": write, "pipeline": self.options.pipeline, "relation_oid": oid, "source": qualified,
                     "first_lsn": format_lsn(collapsed.first_lsn or 0), "last_lsn": format_lsn(collapsed.last_lsn or 0),
@@ -304,7 +306,7 @@ class BatchApplier:
                 merge_history(target, collapser, data_types, state.keys, commit_app_id, version, user_metadata)
             else:
                 merge_collapsed(target, collapsed, data_types, state.keys, options, commit_app_id, version,
-                                user_metadata, append=append, rows=inserted.columns if inserted else None)
+                                user_metadata, append=append, columnar=columnar)
         except ValueDoesNotFitError as exc:
             source = next((name for name, column in state.column_map().items() if column == exc.column), exc.column)
             raise CdcApplyError(f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."
@@ -317,10 +319,10 @@ class BatchApplier:
         else:
             self._compact_now_and_then(target, known.log_version, log_version)
         result.ops = collapsed.op_counts
-        result.keys_written = inserted.count if inserted else len(collapsed.states)
+        result.keys_written = columnar.keys_written if columnar else len(collapsed.states)
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn
         result.seconds = time.perf_counter() - started
-        result.write, result.columnar = write, inserted is not None
+        result.write, result.columnar = write, columnar is not None
         log.info("%s: %s in %.1f s (%s%s)", qualified, dict(result.ops), result.seconds, write,
                  ", columnar" if result.columnar else "")
         return result
@@ -344,21 +346,18 @@ class BatchApplier:
                      time.perf_counter() - started)
         self.target_states.forget(target)
 
-    def _columnar_inserts(self, segment: TableChanges, state: SourceState, options: TableOptions,
-                          lsn_done: int | None, data_types: dict[str, str]) -> InsertedRows | None:
-        """The segment as new rows straight from Arrow, when the collapse would change nothing and
-        the rows would be appended (see ``apply/columnar.py``); None otherwise."""
+    def _columnar_collapse(self, segment: TableChanges, state: SourceState, options: TableOptions,
+                           lsn_done: int | None, data_types: dict[str, str]) -> CollapsedColumns | None:
+        """The segment collapsed as Arrow columns (``apply/columnar.py``), when it brings no schema
+        change and the table is applied one row per key (SCD type 1, not a whole-row key); None
+        when the row-by-row collapse must take it."""
         relation = segment.relation
-        column_map = state.column_map()
-        if options.scd_type != 1 or _whole_row_key(relation, options) \
-                or (state.keys and not _unique_key(relation, column_map, state.keys, options)):
+        if options.scd_type != 1 or _whole_row_key(relation, options):
             return None
         if diff(state.columns, self._columns(relation, options)) \
                 or self._later_keys(state, relation, options) != state.keys:
             return None  # a schema change: the collapse path evolves the target first
-        inserted = inserted_rows(segment, lsn_done, column_map, state.keys, data_types)
-        # Up to ``merge_until`` the target may already hold a first insert's row (see below).
-        return inserted if inserted is not None and inserted.first_lsn > state.merge_until else None
+        return collapsed_columns(segment, lsn_done, state.column_map(), state.keys, data_types)
 
     def _columns(self, relation: m.Relation, options: TableOptions) -> list[tuple[str, str]]:
         return [(name, spark_type) for name, spark_type in relation_columns(relation, self.rows.types)

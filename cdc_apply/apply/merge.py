@@ -18,7 +18,8 @@ import pyarrow as pa
 
 from cdc_apply.apply.collapse import Collapsed, Key
 from cdc_apply.apply.sessionconf import delta_commit_conf
-from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED, TableOptions
+from cdc_apply.apply.columnar import CollapsedColumns
+from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED, KEEP, OP, TableOptions
 from cdc_apply.apply.targets import Target, quote
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn
@@ -26,8 +27,6 @@ from cdc_apply.pgtypes.sparktypes import arrow_type
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
-
-OP, KEEP = "_cdc_op", "_cdc_keep"
 
 def fetch_target_rows(target: Target, keys: Sequence[str], wanted: Iterable[Key],
                       where: str | None = None) -> dict[Key, dict[str, Any]]:
@@ -130,28 +129,29 @@ class ValueDoesNotFitError(CdcApplyError):
 
 def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str],
                     options: TableOptions, app_id: str | None, version: int, user_metadata: str,
-                    append: bool = False, rows: Mapping[str, pa.Array] | None = None) -> None:
+                    append: bool = False, columnar: CollapsedColumns | None = None) -> None:
     """One Delta commit. ``append``: every row is new to the table (initial snapshot chunks, or a
-    batch of new rows only: ``Collapsed.new_rows_only``), so a plain append writes it. ``rows``:
-    those new rows as target columns already (``apply/columnar.py``), in place of the collapsed states."""
+    batch of new rows only: ``Collapsed.new_rows_only``), so a plain append writes it. ``columnar``:
+    the batch collapsed as columns already (``apply/columnar.py``), in place of ``collapsed``'s states."""
     spark = target.spark
-    if rows is not None:
-        assert append, "rows given as columns are new rows: appended"
-        with delta_commit_conf(spark, app_id, version, user_metadata):
-            _write_rows(target, typed_frame(spark, rows, data_types), options, overwrite=False)
-        return
-    if collapsed.multiplicity is not None:
+    if columnar is not None:
+        source = typed_frame(spark, columnar.columns, data_types)
+        kept = columnar.kept
+    elif collapsed.multiplicity is not None:
         with delta_commit_conf(spark, app_id, version, user_metadata):
             _write_multiset(target, collapsed, data_types, keys)
         return
-    if not append:
-        fill_from_other_rows(target, collapsed, keys)
-    source = source_frame(spark, collapsed, data_types)
+    else:
+        if not append:
+            fill_from_other_rows(target, collapsed, keys)
+        source = source_frame(spark, collapsed, data_types)
+        kept = frozenset(name for state in collapsed.states.values() if not state.deleted
+                         for name in (*state.from_target, *(n for n in data_types if n not in state.values)))
     with delta_commit_conf(spark, app_id, version, user_metadata):
         if not keys or append:
             _append(target, source, collapsed, options)
         else:
-            _merge(target, source, collapsed, data_types, keys, options)
+            _merge(target, source, collapsed, data_types, keys, options, kept)
 
 
 def _append(target: Target, source: DataFrame, collapsed: Collapsed, options: TableOptions) -> None:
@@ -241,13 +241,12 @@ def _target_counts(target: Target, wanted: list[Key], keys: Sequence[str],
 
 
 def _merge(target: Target, source: DataFrame, collapsed: Collapsed, data_types: Mapping[str, str],
-           keys: Sequence[str], options: TableOptions) -> None:
+           keys: Sequence[str], options: TableOptions, kept: frozenset[str]) -> None:
+    """``kept``: the columns some upsert leaves as the target holds them (named in its ``_cdc_keep``)."""
     from pyspark.sql import functions as F
 
     soft = options.delete_mode == "soft"
     condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys)
-    kept = {name for state in collapsed.states.values() if not state.deleted
-            for name in (*state.from_target, *(n for n in data_types if n not in state.values))}
     updates: dict[str, Any] = {}
     for name in data_types:
         value = F.col(f"s.{quote(name)}")

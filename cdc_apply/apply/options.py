@@ -28,6 +28,9 @@ METADATA_PREFIX = "_cdc_"
 COMMIT_LSN = "_cdc_commit_lsn"
 COMMIT_TS = "_cdc_commit_ts"
 DELETED = "_cdc_deleted"
+# Columns of a MERGE source only: the key's operation (U upsert, D delete) and the columns an upsert
+# leaves as the target holds them.
+OP, KEEP = "_cdc_op", "_cdc_keep"
 VALID_FROM = "_cdc_valid_from"
 VALID_TO = "_cdc_valid_to"
 CURRENT = "_cdc_current"
