@@ -26,6 +26,7 @@ def test_bench_apply_reports_merge_against_append() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.search(r"ratio MERGE apply / append:\s+[0-9.]+x", run.stdout), run.stdout[-3000:]
     assert re.search(r"from a cached DataFrame: [0-9.]+ s; ratio MERGE apply / that: [0-9.]+x", run.stdout)
+    assert re.search(r"row-by-row collapse of the same changes to its MERGE source: [0-9.]+ s", run.stdout)
 
 
 def test_bench_e2e_reports_lag_and_catch_up_against_delivery() -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from cdc_apply.apply.collapse import Collapsed, Collapser, MultisetCollapser
-from cdc_apply.apply.columnar import CollapsedColumns, collapsed_columns
+from cdc_apply.apply.columnar import CollapsedColumns, collapsed_columns, segment_rows
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.history import HistoryCollapser, merge_history
 from cdc_apply.apply.merge import ValueDoesNotFitError, merge_collapsed
@@ -357,7 +357,8 @@ class BatchApplier:
         if diff(state.columns, self._columns(relation, options)) \
                 or self._later_keys(state, relation, options) != state.keys:
             return None  # a schema change: the collapse path evolves the target first
-        return collapsed_columns(segment, lsn_done, state.column_map(), state.keys, data_types)
+        rows = segment_rows(segment)
+        return None if rows is None else collapsed_columns(rows, lsn_done, state.column_map(), state.keys, data_types)
 
     def _columns(self, relation: m.Relation, options: TableOptions) -> list[tuple[str, str]]:
         return [(name, spark_type) for name, spark_type in relation_columns(relation, self.rows.types)

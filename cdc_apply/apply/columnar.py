@@ -3,7 +3,7 @@
 It gives what ``apply/collapse.py`` gives (one row per key: the key's last state in the batch), for
 the common case, and returns None for the rest, which take the row-by-row collapse:
 
-- the segment was read from the stream (one Relation definition, every change with its bytes);
+- the segment was read from the stream (``segment_rows``: one Relation definition, every change with its bytes);
 - inserts, updates and deletes only (no truncate), of a table with a key, or inserts only without one;
 - no update changes its key and none sends unchanged TOAST values;
 - every value fits its target column, and the key columns can be grouped (no floating point, whose
@@ -46,21 +46,27 @@ class CollapsedColumns:
     kept: frozenset[str]  # target columns an upsert leaves as the target holds them (the source lacks them)
 
 
-def collapsed_columns(segment: TableChanges, after_lsn: int | None, column_map: Mapping[str, str | None],
-                      keys: tuple[str, ...], data_types: Mapping[str, str]) -> CollapsedColumns | None:
-    """The segment's changes after ``after_lsn`` collapsed per key, or None when the row-by-row
-    collapse must take them (see the module docstring) or there are none."""
-    ops = {change.op for change in segment.changes}
-    if not segment.from_stream or not ops <= {"I", "U", "D"} or (not keys and ops != {"I"}):
+def segment_rows(segment: TableChanges) -> pa.Table | None:
+    """The segment's change rows as Arrow, when it was read from the stream and Arrow holds its values."""
+    if not segment.from_stream or any(change.op == "T" for change in segment.changes):
         return None
     try:
-        table = segment.to_arrow()
+        return segment.to_arrow()
     except NotArrowRepresentable:
         return None
+
+
+def collapsed_columns(table: pa.Table, after_lsn: int | None, column_map: Mapping[str, str | None],
+                      keys: tuple[str, ...], data_types: Mapping[str, str]) -> CollapsedColumns | None:
+    """Change rows of one Relation definition (``change_row_schema``) after ``after_lsn``, collapsed
+    per key; None when the row-by-row collapse must take them (see the module docstring) or there are none."""
     if after_lsn is not None:
         table = table.filter(pc.greater(table["commit_lsn"], pa.scalar(after_lsn, pa.int64())))
     count = table.num_rows
     if count == 0 or pc.sum(pc.list_value_length(table["unchanged"])).as_py():
+        return None
+    ops = set(pc.unique(table["op"]).to_pylist())
+    if not ops <= {"I", "U", "D"} or (not keys and ops != {"I"}):
         return None
     op = table.column("op").combine_chunks()
     new_fields = _fields(table.column("new").combine_chunks())

@@ -4,8 +4,11 @@ new rows only, written by MERGE and by the append ``BatchApplier`` uses for them
 The second baseline is Spark's own append of the same rows from a cached DataFrame: the cost of
 the data alone, with no conversion on the way.
 
-Change rows are generated directly (the decode path has its own benchmark): ``changes`` rows in
-100-row transactions, 60% updates, 20% inserts, 20% deletes, over a ``rows``-row target.
+Change rows are generated directly as Arrow (the decode path has its own benchmark): ``changes``
+rows in 100-row transactions, 60% updates, 20% inserts, 20% deletes, over a ``rows``-row target.
+The MERGE takes the path the apply takes for them, the collapse as columns (``apply/columnar.py``);
+the row-by-row collapse of the same rows (``apply/collapse.py``, with their conversion to Python
+values and back) is timed beside it.
 """
 
 from __future__ import annotations
@@ -19,12 +22,17 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import pyarrow as pa
+
 from cdc_apply.spark import build_spark_session
-from cdc_apply.apply.collapse import Collapser
-from cdc_apply.apply.merge import merge_collapsed, source_frame
-from cdc_apply.apply.options import TableOptions
+from cdc_apply.apply.collapse import Collapsed, Collapser
+from cdc_apply.apply.columnar import CollapsedColumns, collapsed_columns
+from cdc_apply.apply.merge import merge_collapsed, source_frame, typed_frame
+from cdc_apply.apply.options import KEEP, OP, TableOptions
 from cdc_apply.apply.schema import initial_columns
 from cdc_apply.apply.targets import SourceState, Target
+from cdc_apply.changerows.columns import python_rows
+from cdc_apply.pgtypes.sparktypes import arrow_type
 
 COLUMNS = [("id", "bigint"), ("account", "int"), ("amount", "decimal(12,2)"), ("note", "string"),
            ("created", "timestamp"), ("flag", "boolean"), ("score", "double")]
@@ -68,6 +76,35 @@ def insert_changes(first_key: int, count: int, lsn: int) -> Iterator[dict[str, A
                "truncate_options": None, "op": "I", "key": {"id": key}, "new": _image(key, 0)}
 
 
+def arrow_changes(change_rows: Iterator[dict[str, Any]], chunk: int = 100_000) -> pa.Table:
+    """Change rows as Arrow, in the change-row layout the decoder gives (the columns the collapse
+    reads), converted ``chunk`` rows at a time so the Python rows never all exist at once."""
+    image = pa.struct([(name, arrow_type(spark_type)) for name, spark_type in COLUMNS])
+    schema = pa.schema([("commit_lsn", pa.int64()), ("commit_ts", pa.timestamp("us", tz="UTC")), ("xid", pa.int64()),
+                        ("seq", pa.int32()), ("op", pa.string()), ("key", pa.struct([("id", pa.int64())])),
+                        ("old", image), ("new", image), ("unchanged", pa.list_(pa.string())),
+                        ("truncate_options", pa.int8())])
+    batches, pending = [], []
+    for row in change_rows:
+        pending.append(row)
+        if len(pending) == chunk:
+            batches.append(pa.RecordBatch.from_pylist(pending, schema=schema))
+            pending = []
+    if pending:
+        batches.append(pa.RecordBatch.from_pylist(pending, schema=schema))
+    return pa.Table.from_batches(batches, schema=schema)
+
+
+def _collapsed(changes: pa.Table) -> CollapsedColumns:
+    columnar = collapsed_columns(changes, None, {name: name for name, _ in COLUMNS}, ("id",), dict(COLUMNS))
+    assert columnar is not None, "the generated changes take the columnar collapse"
+    return columnar
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _peak_jvm_heap_mb(spark: Any) -> float:
     management = spark._jvm.java.lang.management.ManagementFactory
     total = 0
@@ -105,21 +142,27 @@ def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batc
          .write.format("delta").mode("append").save(target.location))
         print(f"  built in {time.perf_counter() - started:.1f} s", flush=True)
 
+        def merge(target: Target, changes: pa.Table, app_id: str, version: int) -> None:
+            merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options, app_id, version, "{}",
+                            columnar=_collapsed(changes))
+
         warm = fresh_target("warmup")  # the first MERGE in a JVM pays a large warm-up: not timed
-        merge_collapsed(warm, collapse(list(generate_changes(1000, 300))), dict(COLUMNS), ("id",), options,
-                        "bench/warmup", 1, "{}")
+        merge(warm, arrow_changes(generate_changes(1000, 300)), "bench/warmup", 1)
 
         print(f"generating {changes:,} change rows ...", flush=True)
-        change_rows = list(generate_changes(rows, changes))
+        change_table = arrow_changes(generate_changes(rows, changes))
+        before_rss = _peak_rss_mb()
         started = time.perf_counter()
-        collapsed = collapse(change_rows)
+        collapsed = _collapsed(change_table)
         collapse_s = time.perf_counter() - started
         started = time.perf_counter()
-        merge_collapsed(target, collapsed, dict(COLUMNS), ("id",), options, "bench/merge", 2, "{}")
+        merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options, "bench/merge", 2, "{}",
+                        columnar=collapsed)
         merge_s = time.perf_counter() - started
+        merge_rss = _peak_rss_mb()
 
         append_target = fresh_target("append")
-        source = source_frame(spark, collapse(change_rows), dict(COLUMNS)).drop("_cdc_op", "_cdc_keep")
+        source = typed_frame(spark, collapsed.columns, dict(COLUMNS)).drop(OP, KEEP)
         started = time.perf_counter()
         source.write.format("delta").mode("append").save(append_target.location)
         append_s = time.perf_counter() - started
@@ -133,14 +176,20 @@ def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batc
         cached_append_s = time.perf_counter() - started
         cached.unpersist()
 
-        slice_rows = change_rows[:per_transaction_slice]
+        slice_rows = change_table.slice(0, per_transaction_slice)
         started = time.perf_counter()
         transactions = 0
-        for start in range(0, len(slice_rows), 100):
+        for start in range(0, slice_rows.num_rows, 100):
             transactions += 1
-            merge_collapsed(target, collapse(slice_rows[start:start + 100]), dict(COLUMNS), ("id",), options,
-                            "bench/per-transaction", 10 + transactions, "{}")
+            merge(target, slice_rows.slice(start, 100), "bench/per-transaction", 10 + transactions)
         per_txn_s = time.perf_counter() - started
+
+        # The row-by-row collapse of the same changes, to its MERGE source (not merged again).
+        started = time.perf_counter()
+        row_by_row = collapse(python_rows(change_table))
+        source_frame(spark, row_by_row, dict(COLUMNS))
+        row_by_row_s = time.perf_counter() - started
+        assert len(row_by_row.states) == collapsed.keys_written
 
         print(f"{insert_rounds} rounds of {insert_batch:,} new rows: MERGE, then append, into the same table ...",
               flush=True)
@@ -159,20 +208,24 @@ def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batc
 
         total = collapse_s + merge_s
         per_change_batched = total / changes
-        per_change_txn = per_txn_s / len(slice_rows)
+        per_change_txn = per_txn_s / slice_rows.num_rows
+        keys = collapsed.keys_written
         print("\nresults (one run, same machine):")
         print(f"  collapsed MERGE of {changes:,} changes into {rows:,} rows: {total:.1f} s "
-              f"(collapse {collapse_s:.1f} s, {len(collapsed.states):,} keys; MERGE {merge_s:.1f} s)")
-        print(f"  plain Delta append of the same {len(collapsed.states):,} rows:     {append_s:.1f} s")
+              f"(collapse as columns {collapse_s:.1f} s, {keys:,} keys; MERGE {merge_s:.1f} s)")
+        print(f"  plain Delta append of the same {keys:,} rows:     {append_s:.1f} s")
         print(f"  ratio MERGE apply / append:                 {total / append_s:.2f}x (goal <= 3x)")
         print(f"  Spark append of the same rows from a cached DataFrame: {cached_append_s:.1f} s; "
               f"ratio MERGE apply / that: {total / cached_append_s:.2f}x (goal <= 6x)")
-        print(f"  one MERGE per 100-row transaction ({transactions} transactions, {len(slice_rows):,} changes): "
+        print(f"  the row-by-row collapse of the same changes to its MERGE source: {row_by_row_s:.1f} s "
+              f"({row_by_row_s / collapse_s:.1f}x the columnar collapse)")
+        print(f"  one MERGE per 100-row transaction ({transactions} transactions, {slice_rows.num_rows:,} changes): "
               f"{per_txn_s:.1f} s = {per_change_txn * 1e3:.2f} ms/change, "
               f"{per_change_txn / per_change_batched:,.0f}x slower per change than batched")
         print(f"  a batch of {insert_batch:,} new rows (median of {insert_rounds}): MERGE {new_rows_merge:.2f} s, "
               f"append {new_rows_append:.2f} s: the append is {new_rows_merge / new_rows_append:.1f}x faster")
-        print(f"  peak memory: Python driver {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MB, "
+        print(f"  peak memory: Python driver {before_rss:,.0f} MB holding the change rows, {merge_rss:,.0f} MB "
+              f"after the columnar collapse and MERGE, {_peak_rss_mb():,.0f} MB after the row-by-row collapse; "
               f"JVM heap {_peak_jvm_heap_mb(spark):,.0f} MB")
     finally:
         spark.stop()

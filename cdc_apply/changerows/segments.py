@@ -44,7 +44,11 @@ class TableChanges(Segment):
             return self.scalar_rows()
 
     def to_arrow(self) -> pa.Table:
-        """The change rows as Arrow."""
+        """The change rows as Arrow (converted once: the columnar collapse and its fallback share them)."""
+        return self._arrow
+
+    @cached_property
+    def _arrow(self) -> pa.Table:
         return change_table(self) if self.from_stream else pa.Table.from_pylist(self.scalar_rows(), schema=self.schema())
 
 
