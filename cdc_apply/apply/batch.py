@@ -34,7 +34,7 @@ from cdc_apply.apply.options import ApplyOptions, TableOptions
 from cdc_apply.apply.schema import (
     BackfillTargetColumn, ColumnAdded, RenameTargetColumn, describe, diff, initial_columns, plan, relation_columns,
 )
-from cdc_apply.apply.target_state import TargetStates
+from cdc_apply.apply.target_state import TargetState, TargetStates
 from cdc_apply.apply.targets import SourceState, Target, TargetRegistry, metadata_columns
 from cdc_apply.assemble import Transaction
 from cdc_apply.changerows.codec import keep_as_text_hint
@@ -94,6 +94,40 @@ class BatchResult:
     @property
     def changes(self) -> int:
         return sum(sum(t.ops.values()) for t in self.tables if not t.skipped)
+
+
+@dataclass
+class TablePlan:
+    """One table in one batch, as decided before any row is collapsed."""
+
+    oid: int
+    relation: m.Relation  # the first segment's
+    options: TableOptions
+    target: Target
+    registered: bool
+    known: TargetState  # the target's Delta state at the batch's start
+    app_id: str
+    versioning: Versioning
+    snapshot: bool
+    lsn_done: int | None  # the pipeline's LSN version: rows at or below it are in the target already
+    appendable: bool  # new rows may be appended (see ``_plan``)
+    done: bool  # the target holds this batch already (exactly once)
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.relation.namespace}.{self.relation.name}"
+
+
+@dataclass
+class CollapsedBatch:
+    """One table's batch collapsed: the writer's input."""
+
+    state: SourceState  # the source state after the batch's schema changes
+    collapsed: Collapsed  # the states per key; for a columnar collapse only counts and LSNs
+    collapser: Collapser | None  # None for a columnar collapse
+    columnar: CollapsedColumns | None
+    new_rows_only: bool
+    appendable: bool
 
 
 class MissingValue(Protocol):
@@ -200,18 +234,33 @@ class BatchApplier:
 
     def apply_table(self, oid: int, segments: list[TableChanges], versioning: Versioning, snapshot: bool = False,
                     spark: SparkSession | None = None) -> TableResult | None:
+        """One table's segments of a batch -> one data commit (and the schema commits before it), in
+        three steps: the plan (target, what it holds, how it may be written), the collapse (with the
+        schema changes the segments bring) and the writer."""
         started = time.perf_counter()
-        relation = segments[0].relation
-        qualified = f"{relation.namespace}.{relation.name}"
+        plan = self._plan(oid, segments[0].relation, versioning, snapshot, spark)
+        if plan is None:
+            return None
+        result = TableResult(plan.qualified, plan.target.location)
+        batch = None if plan.done else self._collapse(plan, segments, result)
+        if batch is None:  # the target holds the batch already, or no row is left to apply
+            result.skipped = True
+            return result
+        self._write(plan, batch, result)
+        result.seconds = time.perf_counter() - started
+        log.info("%s: %s in %.1f s (%s%s)", plan.qualified, dict(result.ops), result.seconds, result.write,
+                 ", columnar" if result.columnar else "")
+        return result
+
+    def _plan(self, oid: int, relation: m.Relation, versioning: Versioning, snapshot: bool,
+              spark: SparkSession | None) -> TablePlan | None:
+        """What the target holds and how this batch may be written to it; None for an excluded table."""
         options = self.options.for_table(relation.namespace, relation.name)
         if not options.include:
             return None
         target, registered = self.target(relation, options, spark)
-        result = TableResult(qualified, target.location)
         app_id = self.app_id(oid, versioning.app_prefix)
-        version = versioning.version
         known = self.target_states.current(target)  # also when the registry was lost: the table holds its state
-        exists = known.exists
         writers = known.writers if not snapshot else {}
         done = writers.get(app_id)
         # The target equals the source as of ``done`` when this pipeline alone has written it (or
@@ -219,113 +268,132 @@ class BatchApplier:
         # whose first change in the batch is an insert is not in it. A micro-batch id says nothing
         # of which rows a frame holds (foreach_batch may be handed the same rows again), so
         # foreach_batch keeps the MERGE.
-        appendable = versioning.by_lsn and not snapshot and (not exists or set(writers) == {app_id})
-        if done is not None and done >= version:
-            result.skipped = True
-            return result
+        appendable = versioning.by_lsn and not snapshot and (not known.exists or set(writers) == {app_id})
         # Rows at or below the pipeline's LSN version (its initial copy, or what ``run`` applied)
         # are in the target already, whichever path applies this batch: a micro-batch of
         # ``foreach_batch`` drops them too, or an insert-only table would get them twice.
-        lsn_done = writers.get(self.app_id(oid))
-        state: SourceState | None = known.source
+        return TablePlan(oid, relation, options, target, registered, known, app_id, versioning, snapshot,
+                         lsn_done=writers.get(self.app_id(oid)), appendable=appendable,
+                         done=done is not None and done >= versioning.version)
+
+    def _collapse(self, plan: TablePlan, segments: list[TableChanges], result: TableResult) -> CollapsedBatch | None:
+        """The batch's final state per key, as Arrow columns where ``apply/columnar.py`` can, else row
+        by row, after creating or evolving the target for each segment's Relation; None when no row
+        is left after those the target holds."""
+        state = plan.known.source
+        if state is not None and plan.registered and len(segments) == 1:
+            columnar = self._columnar_collapse(segments[0], state, plan.options, plan.lsn_done, plan.known.data_types)
+            if columnar is not None:  # no Python values on the way
+                collapsed = Collapsed(state.keys, op_counts=columnar.op_counts, first_lsn=columnar.first_lsn,
+                                      last_lsn=columnar.last_lsn)
+                appendable = plan.appendable and _unique_key(plan.relation, state.column_map(), state.keys, plan.options)
+                return CollapsedBatch(state, collapsed, None, columnar, columnar.new_rows_only, appendable)
         collapser: Collapser | None = None
         backfills: list[BackfillTargetColumn] = []
-        columnar = (self._columnar_collapse(segments[0], state, options, lsn_done, known.data_types)
-                    if state is not None and registered and len(segments) == 1 else None)
-        if columnar is not None:  # no Python values on the way (apply/columnar.py)
-            collapsed = Collapsed(state.keys, op_counts=columnar.op_counts,  # type: ignore[union-attr]
-                                  first_lsn=columnar.first_lsn, last_lsn=columnar.last_lsn)
-            appendable = appendable and _unique_key(relation, state.column_map(), state.keys, options)  # type: ignore[union-attr]
-            new_rows_only = columnar.new_rows_only
-        else:
-            for segment in segments:
-                rows = segment.rows
-                if lsn_done is not None:
-                    rows = [r for r in rows if r["commit_lsn"] > lsn_done]
-                if not rows:
-                    continue
-                position = (rows[0]["commit_lsn"], rows[0]["seq"])
-                if state is None:
-                    state = self._create(target, segment.relation, options, position)
-                if not registered:
-                    self.registry.add(oid, target.location, target.by_name, relation.namespace, relation.name)
-                    registered = True
-                else:
-                    state, renamed = self._evolve(target, state, segment, options, position, result, backfills)
-                    if collapser is not None and renamed:
-                        collapser.rename_columns(renamed)
-                    if collapser is not None and state.keys != collapser.key_columns:
-                        collapser.add_key(state.keys)
-                if collapser is None:
-                    if options.scd_type == 2:
-                        collapser = HistoryCollapser(qualified, state.keys)
-                    elif _whole_row_key(segment.relation, options):
-                        collapser = MultisetCollapser(qualified, state.keys)
-                    else:
-                        collapser = Collapser(qualified, state.keys)
-                column_map = state.column_map()
-                identity = all(source == target_name for source, target_name in column_map.items())
-                appendable = appendable and _unique_key(segment.relation, column_map, state.keys, options)
-                for row in rows:
-                    collapser.add(row, None if identity else column_map)
-            if collapser is None or state is None:
-                result.skipped = True
-                return result
-            collapsed = collapser.result
-            new_rows_only = collapsed.new_rows_only
-            for backfill in backfills:  # rows of this batch last changed before the column existed
-                for key_state in collapsed.states.values():
-                    if not key_state.deleted and key_state.commit_lsn < backfill.before_lsn:
-                        key_state.values.setdefault(backfill.column, backfill.value)
-        data_types = known.data_types if state is known.source else target.data_types()
-        history = isinstance(collapser, HistoryCollapser)
+        appendable = plan.appendable
+        for segment in segments:
+            rows = segment.rows
+            if plan.lsn_done is not None:
+                rows = [r for r in rows if r["commit_lsn"] > plan.lsn_done]
+            if not rows:
+                continue
+            state, renamed = self._prepare_target(plan, state, segment, (rows[0]["commit_lsn"], rows[0]["seq"]),
+                                                  result, backfills)
+            if collapser is None:
+                collapser = self._collapser(plan, segment.relation, state.keys)
+            else:
+                if renamed:
+                    collapser.rename_columns(renamed)
+                if state.keys != collapser.key_columns:
+                    collapser.add_key(state.keys)
+            column_map = state.column_map()
+            identity = all(source == target_name for source, target_name in column_map.items())
+            appendable = appendable and _unique_key(segment.relation, column_map, state.keys, plan.options)
+            for row in rows:
+                collapser.add(row, None if identity else column_map)
+        if collapser is None or state is None:
+            return None
+        collapsed = collapser.result
+        for backfill in backfills:  # rows of this batch last changed before the column existed
+            for key_state in collapsed.states.values():
+                if not key_state.deleted and key_state.commit_lsn < backfill.before_lsn:
+                    key_state.values.setdefault(backfill.column, backfill.value)
+        return CollapsedBatch(state, collapsed, collapser, None, collapsed.new_rows_only, appendable)
+
+    def _prepare_target(self, plan: TablePlan, state: SourceState | None, segment: TableChanges,
+                        position: tuple[int, int], result: TableResult,
+                        backfills: list[BackfillTargetColumn]) -> tuple[SourceState, dict[str, str]]:
+        """The target ready for a segment's rows: created, registered, or evolved to its Relation.
+        Returns the source state after it and the target columns renamed on the way."""
+        if state is None:
+            state = self._create(plan.target, segment.relation, plan.options, position)
+        if not plan.registered:
+            relation = plan.relation
+            self.registry.add(plan.oid, plan.target.location, plan.target.by_name, relation.namespace, relation.name)
+            plan.registered = True
+            return state, {}
+        return self._evolve(plan.target, state, segment, plan.options, position, result, backfills)
+
+    @staticmethod
+    def _collapser(plan: TablePlan, relation: m.Relation, keys: tuple[str, ...]) -> Collapser:
+        if plan.options.scd_type == 2:
+            return HistoryCollapser(plan.qualified, keys)
+        if _whole_row_key(relation, plan.options):
+            return MultisetCollapser(plan.qualified, keys)
+        return Collapser(plan.qualified, keys)
+
+    def _write(self, plan: TablePlan, batch: CollapsedBatch, result: TableResult) -> None:
+        """The batch's one data commit: an append, a MERGE or a history MERGE, idempotent by its
+        transaction id; then the target's cached state moves on, or is dropped."""
+        state, collapsed, qualified = batch.state, batch.collapsed, plan.qualified
+        cached = state is plan.known.source  # no schema commit on the way: the cached types hold
+        data_types = plan.known.data_types if cached else plan.target.data_types()
+        history = isinstance(batch.collapser, HistoryCollapser)
         # Up to ``merge_until`` the target may hold rows a resumed copy took from a later snapshot
         # than its version says: a first insert there may find its row, so it is merged.
         converged = (collapsed.first_lsn or 0) > state.merge_until
-        append = snapshot or (appendable and converged and not history and new_rows_only)
-        write = "snapshot" if snapshot else "append" if append else "merge"
-        metadata = {"cdc_apply": write, "pipeline": self.options.pipeline, "relation_oid": oid, "source": qualified,
-                    "first_lsn": format_lsn(collapsed.first_lsn or 0), "last_lsn": format_lsn(collapsed.last_lsn or 0),
-                    "ops": dict(collapsed.op_counts)}
+        append = plan.snapshot or (batch.appendable and converged and not history and batch.new_rows_only)
+        write = "snapshot" if plan.snapshot else "append" if append else "merge"
+        metadata = {"cdc_apply": write, "pipeline": self.options.pipeline, "relation_oid": plan.oid,
+                    "source": qualified, "first_lsn": format_lsn(collapsed.first_lsn or 0),
+                    "last_lsn": format_lsn(collapsed.last_lsn or 0), "ops": dict(collapsed.op_counts)}
         result.side_columns = {source: column for source, column in state.column_map().items()
                                if column is not None and column != source}
         if result.side_columns:
             metadata["side_columns"] = result.side_columns
-        if snapshot and versioning.copy_progress is not None:
-            metadata["copy"] = dict(versioning.copy_progress)
+        if plan.snapshot and plan.versioning.copy_progress is not None:
+            metadata["copy"] = dict(plan.versioning.copy_progress)
         if collapsed.truncate is not None:
             metadata["truncate"] = {"lsn": format_lsn(collapsed.truncate.commit_lsn),
                                     "cascade": bool(collapsed.truncate.options & m.TRUNCATE_CASCADE),
                                     "restart_identity": bool(collapsed.truncate.options & m.TRUNCATE_RESTART_IDENTITY)}
         user_metadata = json.dumps(metadata, sort_keys=True)
-        commit_app_id = None if snapshot else app_id
+        commit_app_id = None if plan.snapshot else plan.app_id
+        version = plan.versioning.version
         try:
             if history:
                 if not state.keys:
                     raise TableConfigError(f"{qualified}: SCD type 2 needs a key; set tables.<name>.keys")
-                merge_history(target, collapser, data_types, state.keys, commit_app_id, version, user_metadata)
+                merge_history(plan.target, batch.collapser, data_types, state.keys, commit_app_id, version,  # type: ignore[arg-type]
+                              user_metadata)
             else:
-                merge_collapsed(target, collapsed, data_types, state.keys, options, commit_app_id, version,
-                                user_metadata, append=append, columnar=columnar)
+                merge_collapsed(plan.target, collapsed, data_types, state.keys, plan.options, commit_app_id, version,
+                                user_metadata, append=append, columnar=batch.columnar)
         except ValueDoesNotFitError as exc:
             source = next((name for name, column in state.column_map().items() if column == exc.column), exc.column)
             raise CdcApplyError(f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."
                                 f"{format_lsn(collapsed.last_lsn or 0)}): {exc}"
                                 f"{keep_as_text_hint(qualified, source)}") from None
-        log_version = (self.target_states.wrote(target, known, commit_app_id, version, user_metadata)
-                       if state is known.source else None)
+        log_version = (self.target_states.wrote(plan.target, plan.known, commit_app_id, version, user_metadata)
+                       if cached else None)
         if log_version is None:  # created or evolved on the way, or another commit came between: read again
-            self.target_states.forget(target)
+            self.target_states.forget(plan.target)
         else:
-            self._compact_now_and_then(target, known.log_version, log_version)
+            self._compact_now_and_then(plan.target, plan.known.log_version, log_version)
         result.ops = collapsed.op_counts
-        result.keys_written = columnar.keys_written if columnar else len(collapsed.states)
+        result.keys_written = batch.columnar.keys_written if batch.columnar else len(collapsed.states)
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn
-        result.seconds = time.perf_counter() - started
-        result.write, result.columnar = write, columnar is not None
-        log.info("%s: %s in %.1f s (%s%s)", qualified, dict(result.ops), result.seconds, write,
-                 ", columnar" if result.columnar else "")
-        return result
+        result.write, result.columnar = write, batch.columnar is not None
 
     def _compact_now_and_then(self, target: Target, before: int, after: int) -> None:
         """OPTIMIZE a target each time its log version passes a multiple of ``optimize_every_commits``,

@@ -5,14 +5,20 @@ the common case, and returns None for the rest, which take the row-by-row collap
 
 - the segment was read from the stream (``segment_rows``: one Relation definition, every change with its bytes);
 - inserts, updates and deletes only (no truncate), of a table with a key, or inserts only without one;
-- no update changes its key and none sends unchanged TOAST values;
+- a column sent as unchanged TOAST in a key's last change is taken from the full old image, or
+  kept from the target row when that change is the key's only one in the batch and did not move
+  the row from another key; anything else (the value would come from an earlier change or from
+  another key's target row, or a key column is unchanged TOAST) takes the row-by-row collapse;
 - every value fits its target column, and the key columns can be grouped (no floating point, whose
   -0 and NaN Arrow groups otherwise than PostgreSQL's equality).
 
-The last state of a key is its last change: rows come in (commit LSN, seq) order, so the largest row
-index per key is taken. ``new_rows_only`` holds when every key's first change is an insert (the key
-is absent at the batch's start, as in ``Collapsed.new_rows_only``). tests/test_type_delta.py and
-tests/test_apply_semantics.py hold both paths equal.
+Each change row is an event of its key (the new image's for inserts and updates, the old image's
+for deletes), and an update that changes its key is also a delete event of the old key. The last
+state of a key is its last event: rows come in (commit LSN, seq) order, so the largest row index
+per key is taken. ``new_rows_only`` holds when every key's first event is an insert, so the key is
+absent at the batch's start (a key reached by a key change counts as present: that only costs an
+append, never correctness). tests/test_columnar_collapse.py holds the result equal to the
+row-by-row collapse's, tests/test_apply_semantics.py the Delta table equal to PostgreSQL's.
 """
 
 from __future__ import annotations
@@ -63,77 +69,168 @@ def collapsed_columns(table: pa.Table, after_lsn: int | None, column_map: Mappin
     if after_lsn is not None:
         table = table.filter(pc.greater(table["commit_lsn"], pa.scalar(after_lsn, pa.int64())))
     count = table.num_rows
-    if count == 0 or pc.sum(pc.list_value_length(table["unchanged"])).as_py():
+    if count == 0:
         return None
     ops = set(pc.unique(table["op"]).to_pylist())
     if not ops <= {"I", "U", "D"} or (not keys and ops != {"I"}):
         return None
     op = table.column("op").combine_chunks()
-    new_fields = _fields(table.column("new").combine_chunks())
+    images = _Images(table)
     source_of = {target: source for source, target in column_map.items() if target is not None}
     try:
-        last = pa.array(np.arange(count, dtype=np.int64))
-        new_rows_only = True
-        if keys:
-            key_columns = _row_keys(table, op, new_fields, [source_of[k] for k in keys])
-            if key_columns is None:
-                return None
-            grouped = pa.table({**{f"k{i}": c for i, c in enumerate(key_columns)}, "_row": last}) \
-                .group_by([f"k{i}" for i in range(len(keys))], use_threads=False) \
-                .aggregate([("_row", "max"), ("_row", "min")])
-            last = grouped["_row_max"].combine_chunks()
-            new_rows_only = bool(pc.all(pc.equal(op.take(grouped["_row_min"]), "I")).as_py())
-            key_values = {k: c.take(last) for k, c in zip(keys, key_columns)}
-        else:
-            key_values = {}
-        final_op = pc.if_else(pc.equal(op.take(last), "D"), "D", "U")
+        events = _key_events(images, op, [source_of[k] for k in keys]) if keys else _Events.one_per_row(op)
+        if events is None:
+            return None
+        last, first = events.last_and_first(len(keys))
+        rows = events.row[last]
+        final_kind = events.kind.take(pa.array(last))
+        new_rows_only = bool(pc.all(pc.equal(events.kind.take(pa.array(first)), "I")).as_py())
+        upserts = pc.not_equal(final_kind, "D")
+        toast = _unchanged_toast(table, images, rows, last == first, events.moved[last], upserts,
+                                 {source_of[k] for k in keys})
+        if toast is None:
+            return None
         columns: dict[str, pa.Array] = {}
-        lacking = []
+        keep: dict[str, np.ndarray] = {}  # target column -> the result rows whose upsert keeps the target's value
+        take_rows = pa.array(rows)
         for target, spark_type in data_types.items():
             kind = arrow_type(spark_type)
             source = source_of.get(target)
-            if target in key_values:
-                columns[target] = key_values[target].cast(kind)
-            elif source is not None:
-                columns[target] = new_fields[source].take(last).cast(kind)
-            else:  # a target column the source no longer has: the upsert keeps the target's value
+            if target in keys:
+                columns[target] = events.keys[keys.index(target)].take(pa.array(last)).cast(kind)
+            elif source is None:  # a target column the source no longer has: the upsert keeps the target's value
                 columns[target] = pa.nulls(len(last), kind)
-                lacking.append(target)
+                keep[target] = np.ones(len(last), bool)
+            elif source in toast:
+                from_old, kept = toast[source]
+                values = pc.if_else(pa.array(from_old), images.old[source].take(take_rows),
+                                    images.new[source].take(take_rows))
+                columns[target] = values.cast(kind)
+                keep[target] = kept
+            else:
+                columns[target] = images.new[source].take(take_rows).cast(kind)
     except _ARROW_FAILURES:
         return None
-    upserts = pc.equal(final_op, "U")
-    columns[OP] = final_op.cast(pa.string())
-    no_keep = pa.scalar(None, pa.list_(pa.string()))
-    columns[KEEP] = pc.if_else(upserts, pa.scalar(lacking, pa.list_(pa.string())) if lacking else no_keep, no_keep)
-    columns[COMMIT_LSN] = table.column("commit_lsn").combine_chunks().take(last)
-    columns[COMMIT_TS] = table.column("commit_ts").combine_chunks().take(last)
+    upsert_mask = np.asarray(upserts.to_numpy(zero_copy_only=False), bool)
+    columns[OP] = pc.if_else(upserts, "U", "D").cast(pa.string())
+    columns[KEEP] = _keep_lists(keep, upsert_mask)
+    columns[COMMIT_LSN] = table.column("commit_lsn").combine_chunks().take(take_rows)
+    columns[COMMIT_TS] = table.column("commit_ts").combine_chunks().take(take_rows)
     lsns = table.column("commit_lsn")
     op_counts = Counter({str(entry["values"]): int(entry["counts"]) for entry in pc.value_counts(op).to_pylist()})
-    any_upsert = bool(pc.any(upserts).as_py())
+    kept_columns = frozenset(name for name, rows_kept in keep.items() if (rows_kept & upsert_mask).any())
     return CollapsedColumns(columns, len(last), op_counts, lsns[0].as_py(), lsns[count - 1].as_py(), new_rows_only,
-                            frozenset(lacking) if any_upsert else frozenset())
+                            kept_columns)
 
 
-def _row_keys(table: pa.Table, op: pa.Array, new_fields: Mapping[str, pa.Array],
-              sources: list[str]) -> list[pa.Array] | None:
-    """Per change row, its key: the new image's for inserts and updates, the old (or key) image's
-    for deletes. None when an update changes its key, or a key column cannot be grouped."""
-    old = table.column("old").combine_chunks()
-    key = table.column("key").combine_chunks()
-    old_fields, key_fields = _fields(old), _fields(key)
-    old_present, key_present = old.is_valid(), key.is_valid()
+class _Images:
+    """The change rows' new, old and key images, each as columns by source name (null where absent)."""
+
+    def __init__(self, table: pa.Table) -> None:
+        new, old, key = (table.column(name).combine_chunks() for name in ("new", "old", "key"))
+        self.new, self.old, self.key = _fields(new), _fields(old), _fields(key)
+        self.old_present, self.key_present = old.is_valid(), key.is_valid()
+
+
+@dataclass
+class _Events:
+    """Per event: its change row, its kind (I, U or D) and key; ``moved``: an upsert whose row came
+    from another key. Events of row i have order 2i, and 2i + 1 for the delete of a changed key."""
+
+    row: np.ndarray
+    kind: pa.Array
+    keys: list[pa.Array]
+    moved: np.ndarray
+    order: np.ndarray
+
+    @staticmethod
+    def one_per_row(op: pa.Array) -> _Events:
+        count = len(op)
+        return _Events(np.arange(count), op, [], np.zeros(count, bool), np.arange(count) * 2)
+
+    def last_and_first(self, key_count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The positions of each key's last and first event (no key: every event is its own)."""
+        if not key_count:
+            positions = np.arange(len(self.row))
+            return positions, positions
+        position_of = np.empty(int(self.order.max()) + 1, np.int64)
+        position_of[self.order] = np.arange(len(self.order))
+        grouped = pa.table({**{f"k{i}": c for i, c in enumerate(self.keys)}, "_order": self.order}) \
+            .group_by([f"k{i}" for i in range(key_count)], use_threads=False) \
+            .aggregate([("_order", "max"), ("_order", "min")])
+        return (position_of[grouped["_order_max"].to_numpy()], position_of[grouped["_order_min"].to_numpy()])
+
+
+def _key_events(images: _Images, op: pa.Array, sources: list[str]) -> _Events | None:
+    """The events of keyed change rows; None when a key column cannot be grouped."""
     deletes, updates = pc.equal(op, "D"), pc.equal(op, "U")
-    rows = []
+    identities, news = [], []
+    moved = pa.array(np.zeros(len(op), bool))
     for source in sources:
-        new_value = new_fields[source]
-        if pa.types.is_floating(new_value.type) or source not in key_fields:
+        new_value = images.new[source]
+        if pa.types.is_floating(new_value.type) or source not in images.key:
             return None
-        identity = pc.if_else(old_present, old_fields[source], pc.if_else(key_present, key_fields[source], new_value))
+        identity = pc.if_else(images.old_present, images.old[source],
+                              pc.if_else(images.key_present, images.key[source], new_value))
         same = pc.or_kleene(pc.equal(identity, new_value), pc.and_(pc.is_null(identity), pc.is_null(new_value)))
-        if not pc.all(pc.or_(pc.invert(updates), pc.fill_null(same, False))).as_py():
-            return None  # an update moved its row to another key: the row-by-row collapse deletes the old one
-        rows.append(pc.if_else(deletes, identity, new_value))
-    return rows
+        moved = pc.or_(moved, pc.and_(updates, pc.invert(pc.fill_null(same, False))))
+        identities.append(identity)
+        news.append(new_value)
+    changed = np.flatnonzero(moved.to_numpy(zero_copy_only=False))
+    count = len(op)
+    row = np.concatenate([np.arange(count), changed])
+    keys = [pa.concat_arrays([pc.if_else(deletes, identity, new_value), identity.take(pa.array(changed))])
+            for identity, new_value in zip(identities, news)]
+    kind = pa.concat_arrays([op, pa.array(["D"] * len(changed), pa.string())])
+    moved_events = np.concatenate([moved.to_numpy(zero_copy_only=False), np.zeros(len(changed), bool)])
+    order = np.concatenate([np.arange(count) * 2, changed * 2 + 1])
+    return _Events(row, kind, keys, moved_events, order)
+
+
+def _unchanged_toast(table: pa.Table, images: _Images, rows: np.ndarray, only_event: np.ndarray, moved: np.ndarray,
+                     upserts: pa.Array, key_sources: set[str]) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+    """Per source column sent as unchanged TOAST in some key's last change: which result rows take
+    it from the full old image and which keep the target's value; None when some value would come
+    from an earlier change or another key's row, or a key column is unchanged TOAST (the row-by-row
+    collapse finds the value, or names the change it cannot key)."""
+    unchanged = table.column("unchanged").combine_chunks()
+    names = unchanged.flatten()
+    if len(names) == 0:
+        return {}
+    if key_sources & set(names.to_pylist()):
+        return None
+    parents = pc.list_parent_indices(unchanged).to_numpy()
+    names_np = np.asarray(names.to_pylist(), dtype=object)
+    old_present = np.asarray(images.old_present.to_numpy(zero_copy_only=False), bool)[rows]
+    upsert_mask = np.asarray(upserts.to_numpy(zero_copy_only=False), bool)
+    toast: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name in set(names_np):
+        missing = np.zeros(len(table), bool)
+        missing[parents[names_np == name]] = True
+        affected = missing[rows] & upsert_mask
+        if not affected.any():
+            continue
+        from_old = affected & old_present
+        kept = affected & ~old_present
+        if (kept & (~only_event | moved)).any():
+            return None
+        toast[name] = (from_old, kept)
+    return toast
+
+
+def _keep_lists(keep: Mapping[str, np.ndarray], upserts: np.ndarray) -> pa.Array:
+    """The MERGE source's ``_cdc_keep``: per upsert, the target columns whose value stays the target's."""
+    list_type = pa.list_(pa.string())
+    if not keep:
+        return pa.nulls(len(upserts), list_type)
+    names = list(keep)
+    if all(mask.all() for mask in keep.values()):  # the common case: the same columns for every row
+        return pc.if_else(pa.array(upserts), pa.scalar(names, list_type), pa.scalar(None, list_type))
+    lists: list[list[str] | None] = [None] * len(upserts)
+    for index in np.flatnonzero(upserts):
+        kept = [name for name in names if keep[name][index]]
+        lists[index] = kept or None
+    return pa.array(lists, list_type)
 
 
 def _fields(image: pa.StructArray) -> dict[str, pa.Array]:

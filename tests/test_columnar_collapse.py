@@ -1,0 +1,116 @@
+"""The collapse as columns (apply/columnar.py) against the row-by-row collapse (apply/collapse.py),
+on random change streams that follow PostgreSQL's rules: inserts of absent keys, updates (some
+moving the row to another key, some sending a column as unchanged TOAST), deletes; with and without
+full old images. Where the columnar collapse takes a batch, its MERGE source must say exactly what
+the row-by-row collapse's states say. The Delta side of both paths: tests/test_apply_semantics.py."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from cdc_apply.apply.collapse import Collapser
+from cdc_apply.apply.columnar import collapsed_columns
+from cdc_apply.apply.options import COMMIT_LSN, KEEP, OP
+from cdc_apply.changerows.columns import python_rows
+
+DATA_TYPES = {"id": "bigint", "v": "int", "big": "string"}
+IMAGE = pa.struct([("id", pa.int64()), ("v", pa.int32()), ("big", pa.string())])
+SCHEMA = pa.schema([("commit_lsn", pa.int64()), ("commit_ts", pa.timestamp("us", tz="UTC")), ("xid", pa.int64()),
+                    ("seq", pa.int32()), ("op", pa.string()), ("key", pa.struct([("id", pa.int64())])),
+                    ("old", IMAGE), ("new", IMAGE), ("unchanged", pa.list_(pa.string())),
+                    ("truncate_options", pa.int8())])
+
+
+def _stream(rng: random.Random, changes: int, full_old: bool, key_changes: bool, toast: bool) -> list[dict[str, Any]]:
+    live: dict[int, dict[str, Any]] = {k: {"id": k, "v": k, "big": f"b{k}"} for k in range(1, 8)}  # in the target
+    rows = []
+    for n in range(changes):
+        base = {"commit_lsn": 1000 + n // 3, "commit_ts": n, "xid": n // 3, "seq": n % 3, "truncate_options": None,
+                "old": None, "unchanged": [], "key": None, "new": None}
+        roll = rng.random()
+        absent = [k for k in range(1, 15) if k not in live]
+        if roll < 0.25 and absent or not live:
+            key = rng.choice(absent)
+            live[key] = {"id": key, "v": rng.randint(0, 9), "big": f"i{n}"}
+            rows.append(base | {"op": "I", "new": dict(live[key])})
+            continue
+        key = rng.choice(sorted(live))
+        before = dict(live[key])
+        if roll < 0.4:
+            del live[key]
+            rows.append(base | {"op": "D", "key": {"id": key}, "old": before if full_old else None})
+            continue
+        new_key = rng.choice(absent) if key_changes and absent and rng.random() < 0.3 else key
+        after = {"id": new_key, "v": rng.randint(0, 9), "big": before["big"] if toast and rng.random() < 0.5
+                 else f"u{n}"}
+        del live[key]
+        live[new_key] = after
+        unchanged = after["big"] == before["big"]
+        rows.append(base | {"op": "U", "key": {"id": key}, "old": before if full_old else None,
+                            "new": after | ({"big": None} if unchanged else {}),
+                            "unchanged": ["big"] if unchanged else []})
+    return rows
+
+
+def _row_by_row(table: pa.Table) -> dict[tuple[Any, ...], tuple[str, dict[str, Any], frozenset[str], int]]:
+    collapser = Collapser("public.t", ("id",))
+    for row in python_rows(table):
+        collapser.add(row)
+    result = {}
+    for key, state in collapser.result.states.items():
+        values = {} if state.deleted else {n: state.values.get(n) for n in DATA_TYPES if n not in state.from_target}
+        kept = frozenset() if state.deleted else frozenset(state.from_target) | {
+            n for n in DATA_TYPES if n not in state.values}
+        result[key] = ("D" if state.deleted else "U", values, kept, state.commit_lsn)
+    return result
+
+
+def _as_columns(table: pa.Table) -> dict[tuple[Any, ...], tuple[str, dict[str, Any], frozenset[str], int]] | None:
+    columnar = collapsed_columns(table, None, {n: n for n in DATA_TYPES}, ("id",), DATA_TYPES)
+    if columnar is None:
+        return None
+    rows = pa.table(columnar.columns).to_pylist()
+    assert len(rows) == columnar.keys_written
+    result = {}
+    for row in rows:
+        kept = frozenset(row[KEEP] or ())
+        values = {} if row[OP] == "D" else {n: row[n] for n in DATA_TYPES if n not in kept}
+        result[(row["id"],)] = (row[OP], values, kept, row[COMMIT_LSN])
+    assert len(result) == len(rows), "one row per key"
+    return result
+
+
+@pytest.mark.parametrize("full_old", [False, True], ids=["key-image", "full-old"])
+def test_the_columnar_collapse_says_what_the_row_by_row_collapse_says(full_old: bool) -> None:
+    rng = random.Random(5)
+    taken = {"plain": 0, "key_changes": 0, "toast": 0}
+    for case in range(300):
+        key_changes, toast = case % 3 == 1, case % 3 == 2
+        stream = _stream(rng, rng.randint(1, 30), full_old, key_changes, toast)
+        table = pa.Table.from_pylist(stream, schema=SCHEMA)
+        got = _as_columns(table)
+        if got is None:
+            continue
+        assert got == _row_by_row(table), f"case {case}: {stream}"
+        taken["key_changes" if key_changes else "toast" if toast else "plain"] += 1
+    # The columnar collapse must take most batches, key changes and unchanged TOAST included.
+    assert taken["plain"] == 100, taken
+    assert taken["key_changes"] > 50 and taken["toast"] > 20, taken
+
+
+def test_a_value_only_an_earlier_change_holds_takes_the_row_by_row_collapse() -> None:
+    """An update sends ``big`` as unchanged TOAST after an update of the same key in the batch set it:
+    only the row-by-row collapse carries that value forward."""
+    stream = [
+        {"commit_lsn": 1, "commit_ts": 0, "xid": 1, "seq": 0, "op": "U", "key": {"id": 1}, "old": None,
+         "new": {"id": 1, "v": 1, "big": "set"}, "unchanged": [], "truncate_options": None},
+        {"commit_lsn": 2, "commit_ts": 1, "xid": 2, "seq": 0, "op": "U", "key": {"id": 1}, "old": None,
+         "new": {"id": 1, "v": 2, "big": None}, "unchanged": ["big"], "truncate_options": None},
+    ]
+    table = pa.Table.from_pylist(stream, schema=SCHEMA)
+    assert _as_columns(table) is None
+    assert _row_by_row(table)[(1,)] == ("U", {"id": 1, "v": 2, "big": "set"}, frozenset(), 2)
