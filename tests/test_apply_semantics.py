@@ -190,29 +190,38 @@ def test_batches_of_new_rows_are_appended_and_others_merged(db18, spark, tmp_pat
 
 
 def test_updates_and_deletes_collapse_as_columns(db18, spark, tmp_path):  # type: ignore[no-untyped-def]
-    """A batch of inserts, updates and deletes, many to one key, collapses as Arrow columns
-    (apply/columnar.py) and MERGEs to PostgreSQL's rows, with hard and with soft deletes; a batch
-    with a key change takes the row-by-row collapse."""
+    """Batches of inserts, updates and deletes, many to one key, key changes and unchanged TOAST,
+    collapse as Arrow columns (apply/columnar.py) and MERGE to PostgreSQL's rows, with hard and with
+    soft deletes; a TOAST value only another key's row or an earlier change holds takes the row-by-row
+    collapse."""
     server, dbname = db18
+    columns = ["id", "v", "n", "t", "b"]
     with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
-        conn.execute("CREATE TABLE c (id int PRIMARY KEY, v text, n numeric(10,2), t timestamptz);"
+        conn.execute("CREATE TABLE c (id int PRIMARY KEY, v text, n numeric(10,2), t timestamptz, b text);"
                      "CREATE PUBLICATION pc FOR TABLE c")
         create_slot(conn, "sc")
-        conn.execute("INSERT INTO c SELECT g, 'a' || g, g / 4.0, now() FROM generate_series(1, 40) g")
-        with conn.transaction():
+        big = "(SELECT string_agg(md5(g::text || x::text), '') FROM generate_series(1, 200) x)"  # stored out of line
+        conn.execute(f"INSERT INTO c SELECT g, 'a' || g, g / 4.0, now(), CASE WHEN g <= 10 THEN {big} ELSE 's' END "
+                     "FROM generate_series(1, 40) g")
+        with conn.transaction():  # 3 and 9 send b as unchanged TOAST: kept from the target
             conn.execute("UPDATE c SET v = v || 'u', n = NULL WHERE id % 3 = 0")
             conn.execute("DELETE FROM c WHERE id % 5 = 0")
             conn.execute("INSERT INTO c VALUES (5, 'back', 1.5, NULL), (41, 'new', 2, now()), (42, 'gone', 3, now())")
         with conn.transaction():
-            conn.execute("UPDATE c SET v = 'again' WHERE id IN (5, 6, 41)")
+            conn.execute("UPDATE c SET v = 'again' WHERE id IN (5, 12, 41)")
             conn.execute("DELETE FROM c WHERE id IN (42, 7)")
-        conn.execute("UPDATE c SET id = 100 WHERE id = 8")  # a key change: row by row
-        truth = postgres_rows(conn, "public.c", ["id", "v", "n", "t"])
+        conn.execute("UPDATE c SET id = 100 WHERE id = 8")  # b unchanged TOAST of another key's row: row by row
+        conn.execute("UPDATE c SET v = 'toast' WHERE id IN (1, 2)")  # unchanged TOAST, kept from the target
+        with conn.transaction():  # the second change's b only the first one's row holds: row by row
+            conn.execute("UPDATE c SET v = 'x' WHERE id = 4")
+            conn.execute("UPDATE c SET n = 9 WHERE id = 4")
+        conn.execute("UPDATE c SET id = 200 WHERE id = 11")  # a key change
+        truth = postgres_rows(conn, "public.c", columns)
         types = source_types(conn, "public.c")
     capture = tmp_path / "c.jsonl"
     write_jsonl(capture, peek(server, dbname, "sc", PgOutputOptions(("pc",))))
     transactions = list(Assembler().transactions(read_captures([str(capture)])))
-    assert len(transactions) == 4
+    assert len(transactions) == 7
     for delete_mode in ("hard", "soft"):
         warehouse = str(tmp_path / delete_mode)
         applier = BatchApplier(spark, ApplyOptions(warehouse=warehouse, defaults=TableOptions(delete_mode=delete_mode)))
@@ -220,6 +229,8 @@ def test_updates_and_deletes_collapse_as_columns(db18, spark, tmp_path):  # type
         both = applier.apply(transactions[1:3]).tables[0]
         assert both.columnar and both.write == "merge" and both.ops == {"U": 16, "D": 10, "I": 3}
         assert both.keys_written == 22  # 13 updated and 8 deleted (2 of them both), 41, 42, 7
-        assert not applier.apply(transactions[3:]).tables[0].columnar
+        taken = [applier.apply([transaction]).tables[0] for transaction in transactions[3:]]
+        assert [table.columnar for table in taken] == [False, True, False, True], delete_mode
+        assert taken[-1].keys_written == 2  # the old key deleted, the new one written
         where = "NOT _cdc_deleted" if delete_mode == "soft" else None
-        assert delta_rows(spark, f"{warehouse}/public/c", ["id", "v", "n", "t"], types, where=where) == truth, delete_mode
+        assert delta_rows(spark, f"{warehouse}/public/c", columns, types, where=where) == truth, delete_mode

@@ -3,7 +3,8 @@
 It gives what ``apply/collapse.py`` gives (one row per key: the key's last state in the batch), for
 the common case, and returns None for the rest, which take the row-by-row collapse:
 
-- the segment was read from the stream (``segment_rows``: one Relation definition, every change with its bytes);
+- the segment is one Relation definition that the column-at-a-time parse takes (``segment_rows``:
+  read from the stream, or a snapshot chunk);
 - inserts, updates and deletes only (no truncate), of a table with a key, or inserts only without one;
 - a column sent as unchanged TOAST in a key's last change is taken from the full old image, or
   kept from the target row when that change is the key's only one in the batch and did not move
@@ -53,8 +54,9 @@ class CollapsedColumns:
 
 
 def segment_rows(segment: TableChanges) -> pa.Table | None:
-    """The segment's change rows as Arrow, when it was read from the stream and Arrow holds its values."""
-    if not segment.from_stream or any(change.op == "T" for change in segment.changes):
+    """The segment's change rows as Arrow, when the column-at-a-time parse takes it (``Segment.columnar``)
+    and Arrow holds its values."""
+    if not segment.columnar or any(change.op == "T" for change in segment.changes):
         return None
     try:
         return segment.to_arrow()

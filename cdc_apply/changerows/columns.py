@@ -66,13 +66,14 @@ class ParsedSegment:
 
 
 def parse_segment(segment: Segment) -> ParsedSegment:
-    """Every row change of ``segment`` must hold its message bytes (``from_stream``)."""
+    """``segment.columnar`` must hold: every row change holds its message bytes, or every change is
+    an insert with its new image split into values (a snapshot chunk)."""
     changes = segment.changes
     count = len(changes)
     ops = np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8)
     truncates = ops == _T
     wired = list(range(count)) if not truncates.any() else [i for i, c in enumerate(changes) if c.wire is not None]
-    buf, key, old, new = parse_images(segment, wired)
+    buf, key, old, new = parse_images(segment, wired) if segment.from_stream else split_images(segment)
     relation = segment.relation
     common = _transaction_columns(segment.transactions)
     common.update({
@@ -181,6 +182,23 @@ def parse_images(segment: Segment, wired: list[int]) -> tuple[np.ndarray, ImageS
                  np.where(key_in_first[:, None], first.lengths, new.lengths),
                  key_in_first | new.present)
     return buf, key, old, new
+
+
+def split_images(segment: Segment) -> tuple[np.ndarray, None, ImageSpans, ImageSpans]:
+    """(buffer, no key image, no old image, new image) of inserts whose images hold their values
+    already (a snapshot chunk's COPY rows): the same spans the parse of message bytes gives."""
+    images = [change.new for change in segment.changes]
+    count, columns = len(images), len(segment.codec.columns)
+    kinds = np.frombuffer(b"".join(image.kinds for image in images), np.uint8).reshape(count, columns)  # type: ignore[union-attr]
+    values = [value or b"" for image in images for value in image.values]  # type: ignore[union-attr]
+    lengths = np.fromiter(map(len, values), np.int64, len(values))
+    starts = np.cumsum(lengths) - lengths
+    buf = np.frombuffer(b"".join(values), np.uint8)
+    shape = (count, columns)
+    new = ImageSpans(kinds.copy(), starts.reshape(shape), lengths.reshape(shape), np.ones(count, bool))
+    none = ImageSpans(np.zeros(shape, np.uint8), np.zeros(shape, np.int64), np.zeros(shape, np.int64),
+                      np.zeros(count, bool))
+    return buf, None, none, new
 
 
 def _image_from(spans: TupleSpans, rows: np.ndarray) -> ImageSpans:

@@ -36,7 +36,7 @@ class TableChanges(Segment):
     @cached_property
     def rows(self) -> list[dict[str, Any]]:
         """The change rows as Python values: timestamps as microseconds, dates as days since 1970."""
-        if not self.from_stream:
+        if not self.columnar:
             return self.scalar_rows()
         try:
             return python_rows(self.to_arrow())
@@ -49,7 +49,7 @@ class TableChanges(Segment):
 
     @cached_property
     def _arrow(self) -> pa.Table:
-        return change_table(self) if self.from_stream else pa.Table.from_pylist(self.scalar_rows(), schema=self.schema())
+        return change_table(self) if self.columnar else pa.Table.from_pylist(self.scalar_rows(), schema=self.schema())
 
 
 class ChangeRowBuilder:
