@@ -42,7 +42,7 @@ import psycopg
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.targets import Target
-from cdc_apply.assemble import Change, Transaction
+from cdc_apply.assemble import Transaction
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import datetime_to_pg_us, format_lsn, parse_lsn
@@ -166,14 +166,14 @@ class Snapshotter:
         positions = [[c.name for c in relation.columns].index(k) for k in key]
         with progress(f"snapshot {table.qualified_name}", estimate) as advance:
             for chunk in snapshot.rows(table, self.config.snapshot.chunk_rows, key, after):
-                changes = [Change(rows + i, "I", relation, new=image) for i, image in enumerate(chunk)]
+                first_row = rows
                 rows += len(chunk)
                 last = chunk[-1].values
                 after = [last[i].decode() for i in positions]  # type: ignore[union-attr]
                 copied = {"since_lsn": format_lsn(since), "consistent_lsn": format_lsn(snapshot.consistent_lsn),
                           "key": list(key), "after": after, "rows": rows, "columns": _column_signature(relation)}
-                self.applier.apply([Transaction(0, chunk_version, chunk_version, commit_ts, changes, kind="snapshot")],
-                                   snapshot=True, copy_progress=copied if key else None)
+                self.applier.write_snapshot_chunk(relation, chunk, first_row, chunk_version, commit_ts,
+                                                  copied if key else None)
                 advance(len(chunk))
                 failpoint("snapshot_chunk")
         if since != snapshot.consistent_lsn:  # resumed: rows of two snapshots; merge up to the newer one
