@@ -25,8 +25,9 @@ SCHEMA = pa.schema([("commit_lsn", pa.int64()), ("commit_ts", pa.timestamp("us",
                     ("truncate_options", pa.int8())])
 
 
-def _stream(rng: random.Random, changes: int, full_old: bool, key_changes: bool, toast: bool) -> list[dict[str, Any]]:
-    live: dict[int, dict[str, Any]] = {k: {"id": k, "v": k, "big": f"b{k}"} for k in range(1, 8)}  # in the target
+def _stream(rng: random.Random, changes: int, full_old: bool, key_changes: bool, toast: bool,
+            initial: range) -> list[dict[str, Any]]:
+    live: dict[int, dict[str, Any]] = {k: {"id": k, "v": k, "big": f"b{k}"} for k in initial}  # in the target
     rows = []
     for n in range(changes):
         base = {"commit_lsn": 1000 + n // 3, "commit_ts": n, "xid": n // 3, "seq": n % 3, "truncate_options": None,
@@ -88,18 +89,29 @@ def _as_columns(table: pa.Table) -> dict[tuple[Any, ...], tuple[str, dict[str, A
 def test_the_columnar_collapse_says_what_the_row_by_row_collapse_says(full_old: bool) -> None:
     rng = random.Random(5)
     taken = {"plain": 0, "key_changes": 0, "toast": 0}
+    appended = 0
     for case in range(300):
         key_changes, toast = case % 3 == 1, case % 3 == 2
-        stream = _stream(rng, rng.randint(1, 30), full_old, key_changes, toast)
+        initial = range(1, 8) if case % 2 else range(0)  # keys in the target at the start
+        stream = _stream(rng, rng.randint(1, 30), full_old, key_changes, toast, initial)
         table = pa.Table.from_pylist(stream, schema=SCHEMA)
         got = _as_columns(table)
         if got is None:
             continue
         assert got == _row_by_row(table), f"case {case}: {stream}"
+        # An append is right only when every key was absent at the start.
+        new_rows_only = collapsed_columns(table, None, {n: n for n in DATA_TYPES}, ("id",), DATA_TYPES).new_rows_only  # type: ignore[union-attr]
+        assert not new_rows_only or all(key[0] not in initial for key in got), f"case {case}: {stream}"
+        collapser = Collapser("public.t", ("id",))
+        for row in python_rows(table):
+            collapser.add(row)
+        assert new_rows_only or not collapser.result.new_rows_only, f"case {case}: {stream}"
+        appended += new_rows_only
         taken["key_changes" if key_changes else "toast" if toast else "plain"] += 1
     # The columnar collapse must take most batches, key changes and unchanged TOAST included.
     assert taken["plain"] == 100, taken
     assert taken["key_changes"] > 50 and taken["toast"] > 20, taken
+    assert appended > 10
 
 
 def test_a_value_only_an_earlier_change_holds_takes_the_row_by_row_collapse() -> None:

@@ -16,9 +16,9 @@ the common case, and returns None for the rest, which take the row-by-row collap
 Each change row is an event of its key (the new image's for inserts and updates, the old image's
 for deletes), and an update that changes its key is also a delete event of the old key. The last
 state of a key is its last event: rows come in (commit LSN, seq) order, so the largest row index
-per key is taken. ``new_rows_only`` holds when every key's first event is an insert, so the key is
-absent at the batch's start (a key reached by a key change counts as present: that only costs an
-append, never correctness). tests/test_columnar_collapse.py holds the result equal to the
+per key is taken. ``new_rows_only`` holds when every key was absent at the batch's start: its
+first event is an insert, or an update that moved a row to it (PostgreSQL's unique key says it was
+absent then, and no earlier change in the batch could have removed it). tests/test_columnar_collapse.py holds the result equal to the
 row-by-row collapse's, tests/test_apply_semantics.py the Delta table equal to PostgreSQL's.
 """
 
@@ -86,7 +86,8 @@ def collapsed_columns(table: pa.Table, after_lsn: int | None, column_map: Mappin
         last, first = events.last_and_first(len(keys))
         rows = events.row[last]
         final_kind = events.kind.take(pa.array(last))
-        new_rows_only = bool(pc.all(pc.equal(events.kind.take(pa.array(first)), "I")).as_py())
+        first_new = np.asarray(pc.equal(events.kind.take(pa.array(first)), "I").to_numpy(zero_copy_only=False), bool)
+        new_rows_only = bool((first_new | events.moved[first]).all())
         upserts = pc.not_equal(final_kind, "D")
         toast = _unchanged_toast(table, images, rows, last == first, events.moved[last], upserts,
                                  {source_of[k] for k in keys})
