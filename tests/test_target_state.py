@@ -85,3 +85,9 @@ def test_targets_are_compacted_every_n_commits_and_keep_their_rows(captured, spa
     operations = [row["operation"] for row in spark.sql(f"DESCRIBE HISTORY delta.`{path}`").collect()]
     assert operations.count("OPTIMIZE") >= 1, operations
     assert sorted(r["id"] for r in spark.read.format("delta").load(path).select("id").collect()) == sorted(decoded[False])
+    # delta-rs reads the compacted table too, with the same rows.
+    import pyarrow as pa
+    from deltalake import DeltaTable
+
+    by_delta_rs = pa.RecordBatchReader.from_stream(DeltaTable(path).scan(columns=["id"])).read_all()
+    assert sorted(by_delta_rs.column("id").to_pylist()) == sorted(decoded[False])
