@@ -362,7 +362,8 @@ class BatchApplier:
         # than its version says: a first insert there may find its row, so it is merged.
         converged = (collapsed.first_lsn or 0) > state.merge_until
         append = plan.snapshot or (batch.appendable and converged and not history and batch.new_rows_only)
-        write = "snapshot" if plan.snapshot else "append" if append else "merge"
+        # A table without a key is insert-only: merge_collapsed appends it whatever ``append`` says.
+        write = "snapshot" if plan.snapshot else "append" if append or not state.keys else "merge"
         metadata = {"cdc_apply": write, "pipeline": self.options.pipeline, "relation_oid": plan.oid,
                     "source": qualified, "first_lsn": format_lsn(collapsed.first_lsn or 0),
                     "last_lsn": format_lsn(collapsed.last_lsn or 0), "ops": dict(collapsed.op_counts)}
