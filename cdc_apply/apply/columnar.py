@@ -18,8 +18,9 @@ for deletes), and an update that changes its key is also a delete event of the o
 state of a key is its last event: rows come in (commit LSN, seq) order, so the largest row index
 per key is taken. ``new_rows_only`` holds when every key was absent at the batch's start: its
 first event is an insert, or an update that moved a row to it (PostgreSQL's unique key says it was
-absent then, and no earlier change in the batch could have removed it). tests/test_columnar_collapse.py holds the result equal to the
-row-by-row collapse's, tests/test_apply_semantics.py the Delta table equal to PostgreSQL's.
+absent then, and no earlier change in the batch could have removed it).
+tests/test_columnar_collapse.py holds the result equal to the row-by-row collapse's, and
+tests/test_apply_semantics.py the Delta table equal to PostgreSQL's.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class CollapsedColumns:
     first_lsn: int
     last_lsn: int
     new_rows_only: bool
-    kept: frozenset[str]  # target columns an upsert leaves as the target holds them (the source lacks them)
+    kept: frozenset[str]  # target columns some upsert leaves as the target holds them (in its ``KEEP``)
 
 
 def segment_rows(segment: TableChanges) -> pa.Table | None:
