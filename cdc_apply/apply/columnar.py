@@ -26,7 +26,7 @@ tests/test_apply_semantics.py the Delta table equal to PostgreSQL's.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +69,7 @@ def collapsed_columns(table: pa.Table, after_lsn: int | None, column_map: Mappin
                       keys: tuple[str, ...], data_types: Mapping[str, str]) -> CollapsedColumns | None:
     """Change rows of one Relation definition (``change_row_schema``) after ``after_lsn``, collapsed
     per key; None when the row-by-row collapse must take them (see the module docstring) or there are none."""
-    if after_lsn is not None:
+    if after_lsn is not None and pc.min(table["commit_lsn"]).as_py() <= after_lsn:  # filter copies every column
         table = table.filter(pc.greater(table["commit_lsn"], pa.scalar(after_lsn, pa.int64())))
     count = table.num_rows
     if count == 0:
@@ -77,7 +77,7 @@ def collapsed_columns(table: pa.Table, after_lsn: int | None, column_map: Mappin
     ops = set(pc.unique(table["op"]).to_pylist())
     if not ops <= {"I", "U", "D"} or (not keys and ops != {"I"}):
         return None
-    op = table.column("op").combine_chunks()
+    op = _whole(table.column("op"))
     images = _Images(table)
     source_of = {target: source for source, target in column_map.items() if target is not None}
     try:
@@ -96,7 +96,7 @@ def collapsed_columns(table: pa.Table, after_lsn: int | None, column_map: Mappin
             return None
         columns: dict[str, pa.Array] = {}
         keep: dict[str, np.ndarray] = {}  # target column -> the result rows whose upsert keeps the target's value
-        take_rows = pa.array(rows)
+        take_rows = _taker(rows, count)
         for target, spark_type in data_types.items():
             kind = arrow_type(spark_type)
             source = source_of.get(target)
@@ -107,19 +107,18 @@ def collapsed_columns(table: pa.Table, after_lsn: int | None, column_map: Mappin
                 keep[target] = np.ones(len(last), bool)
             elif source in toast:
                 from_old, kept = toast[source]
-                values = pc.if_else(pa.array(from_old), images.old[source].take(take_rows),
-                                    images.new[source].take(take_rows))
+                values = pc.if_else(pa.array(from_old), take_rows(images.old[source]), take_rows(images.new[source]))
                 columns[target] = values.cast(kind)
                 keep[target] = kept
             else:
-                columns[target] = images.new[source].take(take_rows).cast(kind)
+                columns[target] = take_rows(images.new[source]).cast(kind)
     except _ARROW_FAILURES:
         return None
     upsert_mask = np.asarray(upserts.to_numpy(zero_copy_only=False), bool)
     columns[OP] = pc.if_else(upserts, "U", "D").cast(pa.string())
     columns[KEEP] = _keep_lists(keep, upsert_mask)
-    columns[COMMIT_LSN] = table.column("commit_lsn").combine_chunks().take(take_rows)
-    columns[COMMIT_TS] = table.column("commit_ts").combine_chunks().take(take_rows)
+    columns[COMMIT_LSN] = take_rows(_whole(table.column("commit_lsn")))
+    columns[COMMIT_TS] = take_rows(_whole(table.column("commit_ts")))
     lsns = table.column("commit_lsn")
     op_counts = Counter({str(entry["values"]): int(entry["counts"]) for entry in pc.value_counts(op).to_pylist()})
     kept_columns = frozenset(name for name, rows_kept in keep.items() if (rows_kept & upsert_mask).any())
@@ -127,11 +126,25 @@ def collapsed_columns(table: pa.Table, after_lsn: int | None, column_map: Mappin
                             kept_columns)
 
 
+def _whole(column: pa.ChunkedArray) -> pa.Array:
+    """The column as one array, with no copy when it is one chunk already (a batch holds its values
+    once; each copy of a large insert batch costs its whole size again)."""
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
+def _taker(rows: np.ndarray, count: int) -> Callable[[pa.Array], pa.Array]:
+    """Takes ``rows`` of a column of ``count``; no copy when they are every row in order (inserts of new keys)."""
+    if len(rows) == count and np.array_equal(rows, np.arange(count)):
+        return lambda values: values
+    indices = pa.array(rows)
+    return lambda values: values.take(indices)
+
+
 class _Images:
     """The change rows' new, old and key images, each as columns by source name (null where absent)."""
 
     def __init__(self, table: pa.Table) -> None:
-        new, old, key = (table.column(name).combine_chunks() for name in ("new", "old", "key"))
+        new, old, key = (_whole(table.column(name)) for name in ("new", "old", "key"))
         self.new, self.old, self.key = _fields(new), _fields(old), _fields(key)
         self.old_present, self.key_present = old.is_valid(), key.is_valid()
 
