@@ -10,6 +10,7 @@ import random
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from cdc_apply.apply.collapse import Collapser
@@ -126,3 +127,25 @@ def test_a_value_only_an_earlier_change_holds_takes_the_row_by_row_collapse() ->
     table = pa.Table.from_pylist(stream, schema=SCHEMA)
     assert _as_columns(table) is None
     assert _row_by_row(table)[(1,)] == ("U", {"id": 1, "v": 2, "big": "set"}, frozenset(), 2)
+
+
+def test_changes_at_or_before_the_applied_lsn_are_left_out() -> None:
+    """``after_lsn`` (the target's applied position) drops the changes it covers, and only those: the
+    result equals the collapse of the later rows alone, whether it cuts the batch or lies before it."""
+    rng = random.Random(9)
+    cut_inside = 0
+    for case in range(60):
+        table = pa.Table.from_pylist(_stream(rng, rng.randint(1, 30), True, case % 2 == 1, False, range(0)),
+                                     schema=SCHEMA)
+        lsns = table["commit_lsn"].to_pylist()
+        after = rng.randint(lsns[0] - 2, lsns[-1] + 1)
+        later = table.filter(pc.greater(table["commit_lsn"], after))
+        got = collapsed_columns(table, after, {n: n for n in DATA_TYPES}, ("id",), DATA_TYPES)
+        want = collapsed_columns(later, None, {n: n for n in DATA_TYPES}, ("id",), DATA_TYPES)
+        assert (got is None) == (want is None), f"case {case}"
+        if got is not None and want is not None:
+            assert pa.table(got.columns).equals(pa.table(want.columns)), f"case {case}, after {after}"
+            assert (got.first_lsn, got.last_lsn, got.op_counts) == (want.first_lsn, want.last_lsn, want.op_counts)
+            assert got.first_lsn > after
+        cut_inside += lsns[0] <= after < lsns[-1]
+    assert cut_inside > 10

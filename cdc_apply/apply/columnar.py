@@ -69,7 +69,7 @@ def collapsed_columns(table: pa.Table, after_lsn: int | None, column_map: Mappin
                       keys: tuple[str, ...], data_types: Mapping[str, str]) -> CollapsedColumns | None:
     """Change rows of one Relation definition (``change_row_schema``) after ``after_lsn``, collapsed
     per key; None when the row-by-row collapse must take them (see the module docstring) or there are none."""
-    if after_lsn is not None and pc.min(table["commit_lsn"]).as_py() <= after_lsn:  # filter copies every column
+    if after_lsn is not None and table.num_rows and pc.min(table["commit_lsn"]).as_py() <= after_lsn:  # a filter copies
         table = table.filter(pc.greater(table["commit_lsn"], pa.scalar(after_lsn, pa.int64())))
     count = table.num_rows
     if count == 0:
