@@ -210,7 +210,7 @@ def _unchanged_toast(table: pa.Table, images: _Images, rows: np.ndarray, only_ev
     it from the full old image and which keep the target's value; None when some value would come
     from an earlier change or another key's row, or a key column is unchanged TOAST (the row-by-row
     collapse finds the value, or names the change it cannot key)."""
-    unchanged = table.column("unchanged").combine_chunks()
+    unchanged = _whole(table.column("unchanged"))
     names = unchanged.flatten()
     if len(names) == 0:
         return {}
