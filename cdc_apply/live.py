@@ -82,15 +82,16 @@ class LiveReplicator:
                 self.metrics_server.close()
 
     def _run(self) -> RunSummary:
-        options = prepare_source(self.config)
+        options = prepare_source(self.config, self.health)
         backoff = BACKOFF_START_S
         copied = False
+        checked = True  # prepare_source has just checked the slot's health
         while not self.stop.event.is_set():
             try:
                 if not copied:  # a copy cut short is cleared and done again on the next try
                     self.summary.snapshots += self.snapshotter.sync()
                     copied = True
-                if self._session(options):
+                if self._session(options, check_health=not checked):
                     backoff = BACKOFF_START_S
             except (StreamLost, SnapshotLost, psycopg.OperationalError) as exc:  # the server went away: retry
                 self.summary.reconnects += 1
@@ -98,14 +99,19 @@ class LiveReplicator:
                 log.warning("%s; reconnecting in %.1f s", exc, backoff)
                 self.stop.event.wait(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
+            checked = False
         return self.summary
 
-    def _session(self, options: PgOutputOptions) -> bool:
-        """One replication connection, until stopped or lost. True when it applied something."""
+    def _session(self, options: PgOutputOptions, *, check_health: bool) -> bool:
+        """One replication connection, until stopped or lost. True when it applied something.
+
+        ``check_health``: check the slot before connecting; false only for the first connection, right
+        after ``prepare_source`` checked it."""
         source, batching = self.config.source, self.config.batching
         health_conn = psycopg.connect(source.conninfo(), autocommit=True, connect_timeout=10)
         try:
-            self.health.check(health_conn, starting=True)
+            if check_health:
+                self.health.check(health_conn, starting=True)
             stream = WalSenderStream(source.conninfo(), source.slot, options, on_status=self.metrics.beat)
         except BaseException:
             health_conn.close()

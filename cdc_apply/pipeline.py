@@ -44,17 +44,18 @@ def _has_configured_keys(config: Config) -> Callable[[str, str], bool]:
     return lambda schema, table: bool(options.for_table(schema, table).keys)
 
 
-def _prepare(conn: psycopg.Connection, config: Config) -> PgOutputOptions:
-    """Check the source, create what the config asks for, and choose the protocol options."""
+def _prepare(conn: psycopg.Connection, config: Config, health: HealthMonitor | None = None) -> PgOutputOptions:
+    """Check the source, create what the config asks for, check the slot's health (with the runner's
+    own monitor when it keeps one, so its metrics see this first check), and choose the protocol options."""
     check_source(conn, config.source, _has_configured_keys(config))
     ensure_publication_and_slot(conn, config.source)
-    HealthMonitor(config.source).check(conn, starting=True)
+    (health or HealthMonitor(config.source)).check(conn, starting=True)
     return protocol_options(config.source, server_version_num(conn))
 
 
-def prepare_source(config: Config) -> PgOutputOptions:
+def prepare_source(config: Config, health: HealthMonitor | None = None) -> PgOutputOptions:
     with psycopg.connect(config.source.conninfo(), autocommit=True) as conn:
-        return _prepare(conn, config)
+        return _prepare(conn, config, health)
 
 
 def _slot_advancer(conn: psycopg.Connection, config: Config, summary: RunSummary | None = None) -> Callable[[int], None]:
