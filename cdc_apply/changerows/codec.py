@@ -1,8 +1,8 @@
 """Change rows of one table under one Relation definition: the column codecs, the segment, and the
 change-by-change reference conversion (the contract of every change row is in docs/architecture.md).
 
-``change_columns`` converts a whole segment a column at a time and ``changes`` cuts transactions
-into segments; both build on this module, which imports neither.
+``changerows.columns`` converts a whole segment a column at a time and ``changerows.segments`` cuts
+transactions into segments; both build on this module, which imports neither.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from operator import attrgetter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -47,6 +47,20 @@ class ImageSpans:
     present: np.ndarray
 
 
+class ParsedImages(NamedTuple):
+    """The key, old and new images of a segment's wire-backed changes, as spans over one buffer."""
+
+    buf: np.ndarray
+    key: ImageSpans | None  # None: every key image is the new row's
+    old: ImageSpans
+    new: ImageSpans
+
+
+# Gives a segment's images already parsed (for the rows at ``wired``), or None to parse the messages:
+# ``foreach_batch`` takes them from the data source's text maps (``spark/rows.py``, ``TextImages``).
+ImageSource = Callable[[Segment, list[int]], ParsedImages | None]
+
+
 @dataclass
 class ParsedSegment:
     """A segment's row images parsed (not yet converted), with the columns every form shares."""
@@ -65,15 +79,19 @@ class ParsedSegment:
         return where_change(self.segment.transactions[index], self.segment.changes[index])
 
 
-def parse_segment(segment: Segment) -> ParsedSegment:
+def parse_segment(segment: Segment, image_source: ImageSource | None = None) -> ParsedSegment:
     """``segment.columnar`` must hold: every row change holds its message bytes, or every change is
-    an insert with its new image split into values (a snapshot chunk)."""
+    an insert with its new image split into values (a snapshot chunk). ``image_source`` may give the
+    images parsed already; the messages are parsed when it gives None."""
     changes = segment.changes
     count = len(changes)
     ops = np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8)
     truncates = ops == _T
     wired = list(range(count)) if not truncates.any() else [i for i, c in enumerate(changes) if c.wire is not None]
-    buf, key, old, new = parse_images(segment, wired) if segment.from_stream else split_images(segment)
+    images = None if image_source is None else image_source(segment, wired)
+    if images is None:
+        images = parse_images(segment, wired) if segment.from_stream else split_images(segment)
+    buf, key, old, new = images
     relation = segment.relation
     common = _transaction_columns(segment.transactions)
     common.update({
@@ -90,9 +108,9 @@ def parse_segment(segment: Segment) -> ParsedSegment:
     return ParsedSegment(segment, wired, buf, key, old, new, take, common)
 
 
-def change_table(segment: Segment) -> pa.Table:
+def change_table(segment: Segment, image_source: ImageSource | None = None) -> pa.Table:
     """The segment's change rows with typed images; every row change must hold its message bytes."""
-    parsed = parse_segment(segment)
+    parsed = parse_segment(segment, image_source)
     buf, take, where = parsed.buf, parsed.take, parsed.where
     codec = segment.codec
     every_column = list(range(len(codec.columns)))
@@ -136,9 +154,8 @@ def _row_index(count: int, wired: list[int]) -> pa.Array:
     return pa.array(index, type=pa.int64())
 
 
-def parse_images(segment: Segment, wired: list[int]) -> tuple[np.ndarray, ImageSpans | None, ImageSpans, ImageSpans]:
-    """(buffer, key image, old image, new image) of the wire-backed changes; the key image is None
-    when every change's key comes from its new image."""
+def parse_images(segment: Segment, wired: list[int]) -> ParsedImages:
+    """The images of the wire-backed changes, parsed from their messages."""
     changes: list[Change] = segment.changes if len(wired) == len(segment.changes) else [segment.changes[i] for i in wired]
     wires = [c.wire or b"" for c in changes]
     in_stream = np.fromiter(map(_IN_STREAM, changes), bool, len(changes))
@@ -176,17 +193,17 @@ def parse_images(segment: Segment, wired: list[int]) -> tuple[np.ndarray, ImageS
     old = _image_from(first, markers == _O)
     key_in_first = (markers == _K) | (markers == _O)
     if not key_in_first.any():
-        return buf, None, old, new
+        return ParsedImages(buf, None, old, new)
     key = ImageSpans(np.where(key_in_first[:, None], first.kinds, new.kinds),
-                 np.where(key_in_first[:, None], first.starts, new.starts),
-                 np.where(key_in_first[:, None], first.lengths, new.lengths),
-                 key_in_first | new.present)
-    return buf, key, old, new
+                     np.where(key_in_first[:, None], first.starts, new.starts),
+                     np.where(key_in_first[:, None], first.lengths, new.lengths),
+                     key_in_first | new.present)
+    return ParsedImages(buf, key, old, new)
 
 
-def split_images(segment: Segment) -> tuple[np.ndarray, None, ImageSpans, ImageSpans]:
-    """(buffer, no key image, no old image, new image) of inserts whose images hold their values
-    already (a snapshot chunk's COPY rows): the same spans the parse of message bytes gives."""
+def split_images(segment: Segment) -> ParsedImages:
+    """The images (no key, no old, the new) of inserts whose images hold their values already (a
+    snapshot chunk's COPY rows): the same spans the parse of message bytes gives."""
     images = [change.new for change in segment.changes]
     count, columns = len(images), len(segment.codec.columns)
     kinds = np.frombuffer(b"".join(image.kinds for image in images), np.uint8).reshape(count, columns)  # type: ignore[union-attr]
@@ -198,14 +215,14 @@ def split_images(segment: Segment) -> tuple[np.ndarray, None, ImageSpans, ImageS
     new = ImageSpans(kinds.copy(), starts.reshape(shape), lengths.reshape(shape), np.ones(count, bool))
     none = ImageSpans(np.zeros(shape, np.uint8), np.zeros(shape, np.int64), np.zeros(shape, np.int64),
                       np.zeros(count, bool))
-    return buf, None, none, new
+    return ParsedImages(buf, None, none, new)
 
 
 def _image_from(spans: TupleSpans, rows: np.ndarray) -> ImageSpans:
     """The image ``rows`` have in ``spans``; other rows get kind 0 (no value), which is what
     gathering and the unchanged-TOAST list look at, so their starts and lengths can stay."""
     return ImageSpans(np.where(rows[:, None], spans.kinds, 0).astype(np.uint8), spans.starts.copy(),
-                  spans.lengths.copy(), rows.copy())
+                      spans.lengths.copy(), rows.copy())
 
 
 def _raise_scalar_error(segment: Segment, row: int) -> None:

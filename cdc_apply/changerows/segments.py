@@ -24,7 +24,7 @@ from cdc_apply.assemble import Transaction
 from cdc_apply.changerows.codec import (
     ColumnCodec, RelationCodec, Segment, change_row, change_row_schema, where_change,
 )
-from cdc_apply.changerows.columns import NotArrowRepresentable, change_table, python_rows
+from cdc_apply.changerows.columns import ImageSource, NotArrowRepresentable, change_table, python_rows
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgtypes import TypeCache
 
@@ -32,6 +32,8 @@ _RELATION = attrgetter("relation")
 
 class TableChanges(Segment):
     """A segment with its change rows as Arrow and as Python values."""
+
+    image_source: ImageSource | None = None  # images parsed already (foreach_batch), else the messages are
 
     @cached_property
     def rows(self) -> list[dict[str, Any]]:
@@ -49,7 +51,7 @@ class TableChanges(Segment):
 
     @cached_property
     def _arrow(self) -> pa.Table:
-        return change_table(self) if self.columnar else pa.Table.from_pylist(self.scalar_rows(), schema=self.schema())
+        return change_table(self, self.image_source) if self.columnar else pa.Table.from_pylist(self.scalar_rows(), schema=self.schema())
 
 
 class ChangeRowBuilder:
@@ -65,7 +67,8 @@ class ChangeRowBuilder:
             codec = self._codecs[relation] = RelationCodec.build(relation, self.types)
         return codec
 
-    def build(self, transactions: Iterable[Transaction]) -> list[TableChanges]:
+    def build(self, transactions: Iterable[Transaction], image_source: ImageSource | None = None) -> list[TableChanges]:
+        """``image_source``: where the segments' images come from parsed already (see ``TableChanges``)."""
         segments: list[TableChanges] = []
         current: dict[int, TableChanges] = {}
 
@@ -73,6 +76,7 @@ class ChangeRowBuilder:
             segment = current.get(relation.oid)
             if segment is None or (segment.relation is not relation and segment.relation != relation):
                 segment = current[relation.oid] = TableChanges(relation, self.codec(relation))
+                segment.image_source = image_source
                 segments.append(segment)
             return segment
 

@@ -12,13 +12,15 @@ an unchanged TOAST column is absent from ``new`` and named in ``unchanged``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from cdc_apply.assemble import Transaction
-from cdc_apply.changerows.columns import ImageSpans, ParsedSegment, change_table, parse_segment
+from cdc_apply.changerows.codec import Segment, where_change
+from cdc_apply.changerows.columns import ImageSpans, ParsedImages, ParsedSegment, change_table, parse_segment
 from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.pgoutput import messages as m
@@ -128,3 +130,95 @@ def _text_map(parsed: ParsedSegment, image: ImageSpans, indexes: list[int]) -> p
     result = pa.MapArray.from_arrays(pa.array(offsets), keys, items, mask=pa.array(~image.present))
     return result if parsed.take is None else result.take(parsed.take)
 
+
+
+class TextImages:
+    """A micro-batch's text-map images as the spans the column-at-a-time conversion takes
+    (``changerows.columns.ImageSource``): the inverse of ``segment_batch``, so ``foreach_batch``
+    converts the values the data source parsed instead of parsing the messages again.
+
+    A present ``new`` map holds every column but those named in ``unchanged``; a present ``key`` map
+    every key column; an ``old`` map's absent columns were unchanged TOAST, which the change rows hold
+    as null either way. A map naming a column twice, or one its relation does not have, is refused.
+    """
+
+    def __init__(self, frame: pa.Table, row_of: Mapping[int, int]) -> None:
+        self.frame = frame.select(["key", "old", "new", "unchanged"])
+        self.row_of = row_of  # id(change) -> its row in ``frame``
+
+    def __call__(self, segment: Segment, wired: list[int]) -> ParsedImages | None:
+        if not wired:
+            return None
+        changes = segment.changes
+        picked = self.frame.take(pa.array([self.row_of[id(changes[i])] for i in wired], pa.int64())).combine_chunks()
+        maps = [picked[name].chunk(0) for name in ("key", "old", "new")]
+        values = pa.concat_arrays([image.items.cast(pa.large_binary()) for image in maps])
+        value_offsets = np.frombuffer(values.buffers()[1], np.int64)[values.offset:values.offset + len(values) + 1]
+        data = values.buffers()[2]
+        buf = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+
+        def where(row: int) -> str:
+            return where_change(segment.transactions[wired[row]], changes[wired[row]])
+
+        codec = segment.codec
+        names = pa.array([column.name for column in codec.columns], pa.string())
+        spans: list[ImageSpans] = []
+        base = 0
+        for label, image in zip(("key", "old", "new"), maps):
+            spans.append(_spans_of_map(label, image, names, value_offsets[base:], where))
+            base += len(image.items)
+        key, old, new = spans
+        unchanged = picked["unchanged"].chunk(0)
+        if len(unchanged.values):
+            toast_rows = np.repeat(np.arange(len(wired)), np.diff(np.asarray(unchanged.offsets)))
+            toast_columns = _column_indexes("unchanged", unchanged.flatten(), names, toast_rows, where)
+            if np.any(new.kinds[toast_rows, toast_columns] != 0):
+                row = toast_rows[int(np.argmax(new.kinds[toast_rows, toast_columns] != 0))]
+                raise CdcApplyError(f"{where(row)}: a column of new is also named in unchanged")
+            new.kinds[toast_rows, toast_columns] = m.KIND_UNCHANGED_TOAST
+        _require_columns("new", new, range(len(codec.columns)), names, where)
+        _require_columns("key", key, codec.key_indexes, names, where)
+        return ParsedImages(buf, key, old, new)
+
+
+def _spans_of_map(label: str, image: pa.MapArray, names: pa.Array, value_offsets: np.ndarray,
+                  where: Callable[[int], str]) -> ImageSpans:
+    """One image's spans; ``value_offsets`` start at the image's first map item."""
+    rows, columns = len(image), len(names)
+    offsets = np.asarray(image.offsets).astype(np.int64)
+    item_rows = np.repeat(np.arange(rows), np.diff(offsets))
+    first, last = int(offsets[0]), int(offsets[-1])
+    item_columns = _column_indexes(label, image.keys.slice(first, last - first), names, item_rows, where)
+    items = np.arange(first, last)
+    slots = item_rows * columns + item_columns
+    if len(slots) and np.bincount(slots).max() > 1:
+        row = item_rows[int(np.argmax(np.bincount(slots)[slots] > 1))]
+        raise CdcApplyError(f"{where(int(row))}: {label} names a column twice")
+    kinds = np.zeros((rows, columns), np.uint8)
+    starts = np.zeros((rows, columns), np.int64)
+    lengths = np.zeros((rows, columns), np.int64)
+    is_null = np.asarray(image.items.slice(first, last - first).is_null(), bool)
+    kinds[item_rows, item_columns] = np.where(is_null, m.KIND_NULL, m.KIND_TEXT)
+    starts[item_rows, item_columns] = value_offsets[items]
+    lengths[item_rows, item_columns] = value_offsets[items + 1] - value_offsets[items]
+    present = np.asarray(image.is_valid(), bool)
+    return ImageSpans(kinds, starts, lengths, present)
+
+
+def _column_indexes(label: str, keys: pa.Array, names: pa.Array, item_rows: np.ndarray,
+                    where: Callable[[int], str]) -> np.ndarray:
+    found = pc.index_in(keys, value_set=names.cast(keys.type))
+    if found.null_count:
+        position = int(np.argmax(np.asarray(found.is_null(), bool)))
+        raise CdcApplyError(f"{where(int(item_rows[position]))}: {label} names column {keys[position].as_py()!r}, "
+                            "which its relation does not have")
+    return np.asarray(found, np.int64)
+
+
+def _require_columns(label: str, image: ImageSpans, indexes: Iterable[int], names: pa.Array,
+                     where: Callable[[int], str]) -> None:
+    indexes = list(indexes)
+    missing = image.present[:, None] & (image.kinds[:, indexes] == 0)
+    if missing.any():
+        row, column = np.argwhere(missing)[0]
+        raise CdcApplyError(f"{where(int(row))}: {label} lacks column {names[indexes[column]].as_py()!r}")
