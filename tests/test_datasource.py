@@ -16,7 +16,8 @@ import time
 import psycopg
 import pytest
 
-from cdc_apply.spark.foreach import foreach_batch
+from cdc_apply.changerows.segments import ChangeRowBuilder
+from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, foreach_batch, micro_batch_changes
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.config import parse_config
 from cdc_apply.lsn import parse_lsn
@@ -218,6 +219,11 @@ def test_typed_reads_of_one_table(db18, spark, tmp_path) -> None:  # type: ignor
                  .trigger(availableNow=True).start())
         query.awaitTermination()
         assert sorted(spark.table("typed_t").collect(), key=lambda r: (r.commit_lsn, r.seq)) == rows
+        # foreach_batch takes the typed rows as they are where the read schema fits (after ADD COLUMN),
+        # and converts the messages before it.
+        transactions, parsed = micro_batch_changes(frame.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
+        segments = ChangeRowBuilder().build(transactions, parsed)
+        assert [parsed.table(segment) is not None for segment in segments] == [False, True]
         # foreach_batch applies a typed frame as it does a text one: Delta equals PostgreSQL.
         warehouse = str(tmp_path / "wh")
         apply = foreach_batch(_stream_config(conninfo, warehouse))

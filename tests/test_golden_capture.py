@@ -20,7 +20,8 @@ from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import PgOutputDecoder
 from cdc_apply.sources.slot import server_version_num
 from cdc_apply.spark.foreach import micro_batch_changes
-from cdc_apply.spark.rows import SOURCE_SCHEMA, record_batches
+from cdc_apply.spark.rows import SOURCE_SCHEMA, record_batches, typed_schema
+from cdc_apply.spark.typed import images_from_relations
 from tests.capture_helpers import peek
 from tests.conftest import fresh_database
 from tests.rows_compare import assert_columnar_matches_scalar, normalised
@@ -106,13 +107,17 @@ def test_foreach_batch_converts_the_data_sources_text_images_to_the_rows_of_the_
             continue  # the data source's text maps need text-format values
         transactions = list(Assembler().transactions(raws))
         rows = pa.Table.from_batches(list(record_batches(transactions)), schema=SOURCE_SCHEMA)
-        again, images = micro_batch_changes(rows)
-        assert images is not None
+        again, parsed = micro_batch_changes(rows)
         used: list[str] = []
 
-        def counted(segment, wired):  # type: ignore[no-untyped-def]
-            used.append(segment.qualified_name)
-            return images(segment, wired)
+        class Counted:
+            def table(self, segment):  # type: ignore[no-untyped-def]
+                assert parsed.table(segment) is None  # text maps are converted, never taken as they are
+                return None
+
+            def images(self, segment, wired):  # type: ignore[no-untyped-def]
+                used.append(segment.qualified_name)
+                return parsed.images(segment, wired)
 
         # Per table in stream order: the stream's Relation messages differ in their streamed xid,
         # which the data source's re-encoded definition leaves out, so segments may be cut otherwise.
@@ -120,7 +125,7 @@ def test_foreach_batch_converts_the_data_sources_text_images_to_the_rows_of_the_
         for segment in change_rows(transactions):
             want.setdefault(segment.qualified_name, []).extend(normalised(segment.rows))
         got: dict[str, list[object]] = {}
-        for segment in ChangeRowBuilder().build(again, counted):
+        for segment in ChangeRowBuilder().build(again, Counted()):
             got.setdefault(segment.qualified_name, []).extend(normalised(segment.rows))
         assert got == want, name
         assert used, name
@@ -139,10 +144,34 @@ def test_foreach_batch_refuses_a_text_image_that_does_not_fit_its_relation(golde
                             (rows[at]["new"] + [rows[at]["new"][0]], "new names a column twice")):
         changed = [dict(row) for row in rows]
         changed[at]["new"] = broken
-        again, images = micro_batch_changes(pa.Table.from_pylist(changed, schema=SOURCE_SCHEMA))
+        again, parsed = micro_batch_changes(pa.Table.from_pylist(changed, schema=SOURCE_SCHEMA))
         with pytest.raises(CdcApplyError, match=f"micro-batch row LSN .*: {message}"):
-            for segment in ChangeRowBuilder().build(again, images):
+            for segment in ChangeRowBuilder().build(again, parsed):
                 segment.to_arrow()
+
+
+def test_foreach_batch_takes_typed_images_as_they_are_where_the_read_schema_fits(golden) -> None:  # type: ignore[no-untyped-def]
+    """Typed rows of one table (the data source's ``table`` option) give the change rows of the
+    messages: taken as they are under the read schema's Relation, converted from the messages under
+    an older one (items gains a column in the capture)."""
+    version, found, captures, truth = golden
+    raws = captures[("v1", False)]
+    assembler = Assembler()
+    transactions = list(assembler.transactions(raws))
+    taken: Counter[str] = Counter()
+    for name in TABLES:
+        table = tuple(name.split("."))
+        images = images_from_relations(assembler.relations.values(), assembler.types.values(), table, "v1")  # type: ignore[arg-type]
+        rows = pa.Table.from_batches(list(record_batches(transactions, images=images)), schema=typed_schema(images)[0])
+        again, parsed = micro_batch_changes(rows)
+        want = [row for segment in change_rows(transactions) if segment.qualified_name == name
+                for row in normalised(segment.rows)]
+        got = []
+        for segment in ChangeRowBuilder().build(again, parsed):
+            taken[str(parsed.table(segment) is not None)] += 1
+            got.extend(normalised(segment.rows))
+        assert got == want and want, name
+    assert taken["True"] >= len(TABLES) and taken["False"] >= 1, taken
 
 
 def test_protocol_features_are_decoded_faithfully(golden) -> None:  # type: ignore[no-untyped-def]

@@ -38,7 +38,7 @@ from cdc_apply.apply.target_state import TargetState, TargetStates
 from cdc_apply.apply.targets import SourceState, Target, TargetRegistry, metadata_columns
 from cdc_apply.assemble import Change, Transaction
 from cdc_apply.changerows.codec import keep_as_text_hint
-from cdc_apply.changerows.columns import ImageSource
+from cdc_apply.changerows.columns import ParsedRows
 from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.failpoints import failpoint
@@ -161,12 +161,12 @@ class BatchApplier:
     def apply(self, transactions: Iterable[Transaction], *, snapshot: bool = False,
               stream_batch: tuple[str, int] | None = None,
               copy_progress: Mapping[str, object] | None = None,
-              image_source: ImageSource | None = None) -> BatchResult:
+              parsed: ParsedRows | None = None) -> BatchResult:
         """``snapshot``: the transactions are initial-snapshot chunks for tables the caller cleared
         (inserts only, appended; no transaction ids; the caller records the sync point), and
         ``copy_progress`` goes into the chunk's commit metadata (``"copy"``), so a copy cut short
         resumes after it. ``stream_batch``: (query id, batch id) of a Structured Streaming micro-batch, and
-        ``image_source`` gives its images as the data source parsed them (``ChangeRowBuilder.build``)."""
+        ``parsed`` gives its change rows as the data source parsed them (``ChangeRowBuilder.build``)."""
         started = time.perf_counter()
         transactions = list(transactions)
         if not transactions:
@@ -177,7 +177,7 @@ class BatchApplier:
         else:
             version = Versioning(stream_batch[0], stream_batch[1], by_lsn=False)
         by_table: dict[int, list[TableChanges]] = {}
-        for segment in self.rows.build(transactions, image_source):
+        for segment in self.rows.build(transactions, parsed):
             by_table.setdefault(segment.relation.oid, []).append(segment)
         work = list(by_table.items())
         if self.options.parallel_tables > 1 and len(work) > 1:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from operator import attrgetter
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -56,9 +56,16 @@ class ParsedImages(NamedTuple):
     new: ImageSpans
 
 
-# Gives a segment's images already parsed (for the rows at ``wired``), or None to parse the messages:
-# ``foreach_batch`` takes them from the data source's text maps (``spark/rows.py``, ``TextImages``).
-ImageSource = Callable[[Segment, list[int]], ParsedImages | None]
+class ParsedRows(Protocol):
+    """Change rows parsed already by whoever delivered them: ``foreach_batch`` has the data source's
+    rows (``spark/rows.py``, ``MicroBatchRows``). Either method may give None: then the segment's
+    messages are parsed and converted as usual."""
+
+    def table(self, segment: Segment) -> pa.Table | None:
+        """The segment's change rows, typed as ``segment.schema()``."""
+
+    def images(self, segment: Segment, wired: list[int]) -> ParsedImages | None:
+        """The images of the segment's changes at ``wired``, to be converted."""
 
 
 @dataclass
@@ -79,16 +86,16 @@ class ParsedSegment:
         return where_change(self.segment.transactions[index], self.segment.changes[index])
 
 
-def parse_segment(segment: Segment, image_source: ImageSource | None = None) -> ParsedSegment:
+def parse_segment(segment: Segment, parsed: ParsedRows | None = None) -> ParsedSegment:
     """``segment.columnar`` must hold: every row change holds its message bytes, or every change is
-    an insert with its new image split into values (a snapshot chunk). ``image_source`` may give the
+    an insert with its new image split into values (a snapshot chunk). ``parsed`` may give the
     images parsed already; the messages are parsed when it gives None."""
     changes = segment.changes
     count = len(changes)
     ops = np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8)
     truncates = ops == _T
     wired = list(range(count)) if not truncates.any() else [i for i, c in enumerate(changes) if c.wire is not None]
-    images = None if image_source is None else image_source(segment, wired)
+    images = None if parsed is None else parsed.images(segment, wired)
     if images is None:
         images = parse_images(segment, wired) if segment.from_stream else split_images(segment)
     buf, key, old, new = images
@@ -108,9 +115,10 @@ def parse_segment(segment: Segment, image_source: ImageSource | None = None) -> 
     return ParsedSegment(segment, wired, buf, key, old, new, take, common)
 
 
-def change_table(segment: Segment, image_source: ImageSource | None = None) -> pa.Table:
-    """The segment's change rows with typed images; every row change must hold its message bytes."""
-    parsed = parse_segment(segment, image_source)
+def change_table(segment: Segment, rows: ParsedRows | None = None) -> pa.Table:
+    """The segment's change rows with typed images; every row change must hold its message bytes,
+    unless ``rows`` gives the images parsed already."""
+    parsed = parse_segment(segment, rows)
     buf, take, where = parsed.buf, parsed.take, parsed.where
     codec = segment.codec
     every_column = list(range(len(codec.columns)))

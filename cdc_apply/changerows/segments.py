@@ -24,7 +24,7 @@ from cdc_apply.assemble import Transaction
 from cdc_apply.changerows.codec import (
     ColumnCodec, RelationCodec, Segment, change_row, change_row_schema, where_change,
 )
-from cdc_apply.changerows.columns import ImageSource, NotArrowRepresentable, change_table, python_rows
+from cdc_apply.changerows.columns import NotArrowRepresentable, ParsedRows, change_table, python_rows
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgtypes import TypeCache
 
@@ -33,7 +33,7 @@ _RELATION = attrgetter("relation")
 class TableChanges(Segment):
     """A segment with its change rows as Arrow and as Python values."""
 
-    image_source: ImageSource | None = None  # images parsed already (foreach_batch), else the messages are
+    parsed: ParsedRows | None = None  # rows parsed already by their deliverer (foreach_batch)
 
     @cached_property
     def rows(self) -> list[dict[str, Any]]:
@@ -51,7 +51,10 @@ class TableChanges(Segment):
 
     @cached_property
     def _arrow(self) -> pa.Table:
-        return change_table(self, self.image_source) if self.columnar else pa.Table.from_pylist(self.scalar_rows(), schema=self.schema())
+        table = None if self.parsed is None else self.parsed.table(self)
+        if table is not None:
+            return table
+        return change_table(self, self.parsed) if self.columnar else pa.Table.from_pylist(self.scalar_rows(), schema=self.schema())
 
 
 class ChangeRowBuilder:
@@ -67,8 +70,8 @@ class ChangeRowBuilder:
             codec = self._codecs[relation] = RelationCodec.build(relation, self.types)
         return codec
 
-    def build(self, transactions: Iterable[Transaction], image_source: ImageSource | None = None) -> list[TableChanges]:
-        """``image_source``: where the segments' images come from parsed already (see ``TableChanges``)."""
+    def build(self, transactions: Iterable[Transaction], parsed: ParsedRows | None = None) -> list[TableChanges]:
+        """``parsed``: the transactions' change rows as their deliverer parsed them (``TableChanges.parsed``)."""
         segments: list[TableChanges] = []
         current: dict[int, TableChanges] = {}
 
@@ -76,7 +79,7 @@ class ChangeRowBuilder:
             segment = current.get(relation.oid)
             if segment is None or (segment.relation is not relation and segment.relation != relation):
                 segment = current[relation.oid] = TableChanges(relation, self.codec(relation))
-                segment.image_source = image_source
+                segment.parsed = parsed
                 segments.append(segment)
             return segment
 

@@ -3,10 +3,10 @@
 The micro-batch is turned back into committed transactions (``_cdc_relation`` carries the Relation
 message in force, decoded once per definition) and applied by the same ``BatchApplier`` as
 ``cdc-apply run``: one MERGE per table, schema evolution, TOAST retention, truncates. The images
-are the data source's: text maps are converted from the values it parsed (``spark/rows.py``,
-``TextImages``), never parsed again from ``_cdc_change``, which the changes keep only for the
-row-by-row fallback and error messages. Typed images (the ``table`` option) are conformed to the
-read schema, which may differ from the target's types, so those are converted from ``_cdc_change``.
+are the data source's (``spark/rows.py``, ``MicroBatchRows``): typed images are taken as they are,
+text maps are converted from the values it parsed; ``_cdc_change`` is parsed again only where the
+read schema types a column otherwise than the target, and kept for the row-by-row fallback and
+error messages.
 
 Invariant: every Delta commit of a micro-batch carries ``txnAppId = <query id>/<relation oid>``
 and ``txnVersion = <batch id>``. Spark runs a batch again after a failure with the same id and
@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import psycopg
 import pyarrow as pa
-from pyspark.sql.types import MapType
 
 from cdc_apply.apply.batch import BatchApplier, MissingValue, MissingValueLookup
 from cdc_apply.apply.options import apply_options
@@ -37,7 +36,7 @@ from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import decode_message
 from cdc_apply.sink import RunSummary
 from cdc_apply.sources.catalog import SourceCatalog
-from cdc_apply.spark.rows import TextImages
+from cdc_apply.spark.rows import MicroBatchRows
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -46,7 +45,7 @@ log = logging.getLogger(__name__)
 
 APPLY_COLUMNS = ("commit_lsn", "end_lsn", "commit_ts", "xid", "origin", "seq", "op", "truncate_options",
                  "_cdc_relation", "_cdc_change")
-TEXT_IMAGE_COLUMNS = ("key", "old", "new", "unchanged")
+ROW_COLUMNS = ("relation_oid", "schema", "table", "key", "old", "new", "unchanged")  # the rows as parsed
 
 
 def foreach_batch(config: Config | str | Path, *, live_source: bool = True,
@@ -67,13 +66,10 @@ def foreach_batch(config: Config | str | Path, *, live_source: bool = True,
             appliers.append(BatchApplier(spark, apply_options(settings),
                                          missing_value=_source_lookup(settings) if live_source else None))
         applier = appliers[0]
-        fields = {field.name: field.dataType for field in frame.schema.fields}
-        text_images = all(isinstance(fields.get(name), MapType) for name in ("key", "old", "new"))
-        rows = frame.select(*APPLY_COLUMNS, *(TEXT_IMAGE_COLUMNS if text_images else ())).toArrow()
-        transactions, images = micro_batch_changes(rows)
+        transactions, parsed = micro_batch_changes(frame.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
         if metrics is not None:
             metrics.received_changes(sum(len(t.changes) for t in transactions))
-        result = applier.apply(transactions, stream_batch=(query_id, batch_id), image_source=images)
+        result = applier.apply(transactions, stream_batch=(query_id, batch_id), parsed=parsed)
         summary.record(result, transactions)
         applied = [t for t in result.tables if not t.skipped]
         log.info("batch %d: %d transactions, %d changes to %d tables (%d already held it)%s", batch_id,
@@ -108,9 +104,9 @@ def streaming_query_id(spark: SparkSession) -> str:
     return query_id
 
 
-def micro_batch_changes(table: pa.Table) -> tuple[list[Transaction], TextImages | None]:
-    """Change rows of ``format("pgoutput")`` -> committed transactions in commit order, and their text
-    images (when ``table`` holds them) for the apply to convert without parsing the messages again."""
+def micro_batch_changes(table: pa.Table) -> tuple[list[Transaction], MicroBatchRows]:
+    """Change rows of ``format("pgoutput")`` -> committed transactions in commit order, and the rows
+    as parsed, for the apply to take without parsing the messages again."""
     ordered = table.sort_by([("commit_lsn", "ascending"), ("xid", "ascending"), ("seq", "ascending")])
     ordered = ordered.set_column(ordered.schema.get_field_index("commit_ts"), "commit_ts",
                                  ordered["commit_ts"].cast(pa.int64()))  # microseconds since 1970
@@ -131,7 +127,5 @@ def micro_batch_changes(table: pa.Table) -> tuple[list[Transaction], TextImages 
         current.changes.append(Change(row["seq"], row["op"], relation, truncate_options=row["truncate_options"] or 0,
                                       lsn=row["commit_lsn"], wire=row["_cdc_change"],
                                       source=f"micro-batch row LSN {format_lsn(row['commit_lsn'])}"))
-    if not set(TEXT_IMAGE_COLUMNS) <= set(ordered.column_names):
-        return transactions, None
     row_of = {id(change): row for row, change in enumerate(c for t in transactions for c in t.changes)}
-    return transactions, TextImages(ordered, row_of)
+    return transactions, MicroBatchRows(ordered, row_of)

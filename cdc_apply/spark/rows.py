@@ -27,7 +27,7 @@ from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.columnar import gather_values
 from cdc_apply.pgoutput.decoder import outside_stream_block
 from cdc_apply.pgoutput.encode import encode_relation
-from cdc_apply.spark.typed import TableImages
+from cdc_apply.spark.typed import IMAGES, TableImages, spark_arrow
 
 IMAGE = pa.map_(pa.string(), pa.string())
 TEXT_IMAGE_DDL = "map<string,string>"
@@ -132,39 +132,55 @@ def _text_map(parsed: ParsedSegment, image: ImageSpans, indexes: list[int]) -> p
 
 
 
-class TextImages:
-    """A micro-batch's text-map images as the spans the column-at-a-time conversion takes
-    (``changerows.columns.ImageSource``): the inverse of ``segment_batch``, so ``foreach_batch``
-    converts the values the data source parsed instead of parsing the messages again.
+class MicroBatchRows:
+    """A micro-batch of the data source's change rows, as the apply takes rows parsed already
+    (``changerows.columns.ParsedRows``), so ``foreach_batch`` parses nothing twice:
 
-    A present ``new`` map holds every column but those named in ``unchanged``; a present ``key`` map
-    every key column; an ``old`` map's absent columns were unchanged TOAST, which the change rows hold
-    as null either way. A map naming a column twice, or one its relation does not have, is refused.
+    - typed images (the ``table`` option) are a segment's change rows as they are, when the read
+      schema types the images as the apply does (else the changes' messages are converted: a
+      column added since the read, or a ``columns.<name>.type`` the config sets);
+    - text maps are the values to convert, as spans over the map values: the inverse of
+      ``segment_batch``. A present ``new`` map holds every column but those named in
+      ``unchanged``; a present ``key`` map every key column; an ``old`` map's absent columns were
+      unchanged TOAST, which the change rows hold as null either way. A map naming a column twice,
+      or one its relation does not have, is refused.
     """
 
     def __init__(self, frame: pa.Table, row_of: Mapping[int, int]) -> None:
-        self.frame = frame.select(["key", "old", "new", "unchanged"])
+        self.frame = frame
         self.row_of = row_of  # id(change) -> its row in ``frame``
+        self.text = all(pa.types.is_map(frame.schema.field(name).type) for name in IMAGES)
 
-    def __call__(self, segment: Segment, wired: list[int]) -> ParsedImages | None:
-        if not wired:
-            return None
+    def _take(self, segment: Segment, indexes: Iterable[int]) -> pa.Table:
         changes = segment.changes
-        picked = self.frame.take(pa.array([self.row_of[id(changes[i])] for i in wired], pa.int64())).combine_chunks()
-        maps = [picked[name].chunk(0) for name in ("key", "old", "new")]
+        return self.frame.take(pa.array([self.row_of[id(changes[i])] for i in indexes], pa.int64())).combine_chunks()
+
+    def table(self, segment: Segment) -> pa.Table | None:
+        schema = segment.schema()
+        if self.text or any(self.frame.schema.field(name).type != spark_arrow(schema.field(name).type)
+                            for name in IMAGES):
+            return None
+        picked = self._take(segment, range(len(segment.changes)))
+        return pa.Table.from_arrays([picked[f.name].cast(f.type) for f in schema], schema=schema)
+
+    def images(self, segment: Segment, wired: list[int]) -> ParsedImages | None:
+        if not self.text or not wired:
+            return None
+        picked = self._take(segment, wired)
+        maps = [picked[name].chunk(0) for name in IMAGES]
         values = pa.concat_arrays([image.items.cast(pa.large_binary()) for image in maps])
         value_offsets = np.frombuffer(values.buffers()[1], np.int64)[values.offset:values.offset + len(values) + 1]
         data = values.buffers()[2]
         buf = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
 
         def where(row: int) -> str:
-            return where_change(segment.transactions[wired[row]], changes[wired[row]])
+            return where_change(segment.transactions[wired[row]], segment.changes[wired[row]])
 
         codec = segment.codec
         names = pa.array([column.name for column in codec.columns], pa.string())
         spans: list[ImageSpans] = []
         base = 0
-        for label, image in zip(("key", "old", "new"), maps):
+        for label, image in zip(IMAGES, maps):
             spans.append(_spans_of_map(label, image, names, value_offsets[base:], where))
             base += len(image.items)
         key, old, new = spans
