@@ -148,6 +148,14 @@ def test_foreach_batch_refuses_a_text_image_that_does_not_fit_its_relation(golde
         with pytest.raises(CdcApplyError, match=f"micro-batch row LSN .*: {message}"):
             for segment in ChangeRowBuilder().build(again, parsed):
                 segment.to_arrow()
+    # The Relation a row carries: cut short, not a Relation, or missing.
+    for relation, message in ((rows[at]["_cdc_relation"][:9], r"_cdc_relation of a micro-batch row, LSN .*byte offset"),
+                              (rows[at]["_cdc_change"], "micro-batch row LSN .*: _cdc_relation is not a Relation"),
+                              (None, "micro-batch row LSN .*: _cdc_relation is null")):
+        changed = [dict(row) for row in rows]
+        changed[at]["_cdc_relation"] = relation
+        with pytest.raises(CdcApplyError, match=message):
+            micro_batch_changes(pa.Table.from_pylist(changed, schema=SOURCE_SCHEMA))
 
 
 def test_foreach_batch_takes_typed_images_as_they_are_where_the_read_schema_fits(golden) -> None:  # type: ignore[no-untyped-def]

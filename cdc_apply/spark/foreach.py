@@ -22,14 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import psycopg
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from cdc_apply.apply.batch import BatchApplier, MissingValue, MissingValueLookup
 from cdc_apply.apply.options import apply_options
 from cdc_apply.assemble import Change, Transaction
 from cdc_apply.config import Config, load_config
-from cdc_apply.errors import CdcApplyError
+from cdc_apply.errors import CdcApplyError, DecodeError
 from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn
 from cdc_apply.metrics import PipelineMetrics
 from cdc_apply.pgoutput import messages as m
@@ -106,26 +108,43 @@ def streaming_query_id(spark: SparkSession) -> str:
 
 def micro_batch_changes(table: pa.Table) -> tuple[list[Transaction], MicroBatchRows]:
     """Change rows of ``format("pgoutput")`` -> committed transactions in commit order, and the rows
-    as parsed, for the apply to take without parsing the messages again."""
+    as parsed, for the apply to take without parsing the messages again. Read a column at a time:
+    each distinct ``_cdc_relation`` is decoded once, each transaction's fields read once."""
     ordered = table.sort_by([("commit_lsn", "ascending"), ("xid", "ascending"), ("seq", "ascending")])
     ordered = ordered.set_column(ordered.schema.get_field_index("commit_ts"), "commit_ts",
                                  ordered["commit_ts"].cast(pa.int64()))  # microseconds since 1970
-    relations: dict[bytes, m.Relation] = {}
+    count = ordered.num_rows
+    commit_lsns = ordered["commit_lsn"].to_numpy()
+    xids = ordered["xid"].to_numpy()
+    firsts = np.flatnonzero(np.concatenate(([True], (commit_lsns[1:] != commit_lsns[:-1]) | (xids[1:] != xids[:-1]))))
+    definitions = pc.dictionary_encode(ordered["_cdc_relation"].combine_chunks())
+    if definitions.null_count:
+        lsn = int(commit_lsns[int(np.argmax(np.asarray(definitions.is_null(), bool)))])
+        raise CdcApplyError(f"micro-batch row LSN {format_lsn(lsn)}: _cdc_relation is null")
+    relation_at = definitions.indices.to_numpy()
+    relations = [_relation(raw, int(commit_lsns[int(np.argmax(relation_at == code))]))
+                 for code, raw in enumerate(definitions.dictionary.to_pylist())]
+    relation_of = [relations[code] for code in relation_at.tolist()]
+    seqs, ops, wires = (ordered[name].to_pylist() for name in ("seq", "op", "_cdc_change"))
+    truncate_options = ordered["truncate_options"].fill_null(0).to_pylist()
+    heads = ordered.take(pa.array(firsts)).select(["xid", "commit_lsn", "end_lsn", "commit_ts", "origin"]).to_pylist()
     transactions: list[Transaction] = []
-    current: Transaction | None = None
-    for row in ordered.select(APPLY_COLUMNS).to_pylist():
-        if current is None or (current.commit_lsn, current.xid) != (row["commit_lsn"], row["xid"]):
-            current = Transaction(row["xid"], row["commit_lsn"], row["end_lsn"], row["commit_ts"] - PG_EPOCH_OFFSET_US, [],
-                                  origin=row["origin"])
-            transactions.append(current)
-        relation = relations.get(row["_cdc_relation"])
-        if relation is None:
-            decoded = decode_message(row["_cdc_relation"])
-            if not isinstance(decoded, m.Relation):
-                raise CdcApplyError(f"LSN {format_lsn(row['commit_lsn'])}: _cdc_relation is not a Relation message")
-            relation = relations[row["_cdc_relation"]] = decoded
-        current.changes.append(Change(row["seq"], row["op"], relation, truncate_options=row["truncate_options"] or 0,
-                                      lsn=row["commit_lsn"], wire=row["_cdc_change"],
-                                      source=f"micro-batch row LSN {format_lsn(row['commit_lsn'])}"))
+    for head, first, end in zip(heads, firsts.tolist(), [*firsts[1:].tolist(), count]):
+        lsn = head["commit_lsn"]
+        source = f"micro-batch row LSN {format_lsn(lsn)}"
+        changes = [Change(seqs[i], ops[i], relation_of[i], truncate_options=truncate_options[i], lsn=lsn,
+                          wire=wires[i], source=source) for i in range(first, end)]
+        transactions.append(Transaction(head["xid"], lsn, head["end_lsn"], head["commit_ts"] - PG_EPOCH_OFFSET_US,
+                                        changes, origin=head["origin"]))
     row_of = {id(change): row for row, change in enumerate(c for t in transactions for c in t.changes)}
     return transactions, MicroBatchRows(ordered, row_of)
+
+
+def _relation(raw: bytes, lsn: int) -> m.Relation:
+    try:
+        decoded = decode_message(raw)
+    except DecodeError as exc:
+        raise exc.located(lsn=format_lsn(lsn), source="_cdc_relation of a micro-batch row") from None
+    if not isinstance(decoded, m.Relation):
+        raise CdcApplyError(f"micro-batch row LSN {format_lsn(lsn)}: _cdc_relation is not a Relation message")
+    return decoded
