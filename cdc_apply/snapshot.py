@@ -43,6 +43,7 @@ from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.targets import Target
 from cdc_apply.assemble import Transaction
+from cdc_apply.changerows.columns import inserted_images
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import datetime_to_pg_us, format_lsn, parse_lsn
@@ -168,12 +169,12 @@ class Snapshotter:
             for chunk in snapshot.rows(table, self.config.snapshot.chunk_rows, key, after):
                 first_row = rows
                 rows += len(chunk)
-                last = chunk[-1].values
-                after = [last[i].decode() for i in positions]  # type: ignore[union-attr]
+                after = [chunk.text(len(chunk) - 1, i) or "" for i in positions]  # a unique key's values are not null
                 copied = {"since_lsn": format_lsn(since), "consistent_lsn": format_lsn(snapshot.consistent_lsn),
                           "key": list(key), "after": after, "rows": rows, "columns": _column_signature(relation)}
-                self.applier.write_snapshot_chunk(relation, chunk, first_row, chunk_version, commit_ts,
-                                                  copied if key else None)
+                self.applier.write_snapshot_chunk(
+                    relation, inserted_images(chunk.buf, chunk.is_null, chunk.starts, chunk.lengths), first_row,
+                    chunk_version, commit_ts, copied if key else None)
                 advance(len(chunk))
                 failpoint("snapshot_chunk")
         if since != snapshot.consistent_lsn:  # resumed: rows of two snapshots; merge up to the newer one

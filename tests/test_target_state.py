@@ -74,7 +74,7 @@ def test_targets_are_compacted_every_n_commits_and_keep_their_rows(captured, spa
     from cdc_apply.apply.options import ApplyOptions, TableOptions
     from cdc_apply.assemble import Assembler
 
-    columns, _, decoded, captures = captured
+    columns, _, decoded, captures, _ = captured
     two_dimensional = next(name for name, type_name in columns.items() if type_name == "int4[]")
     options = ApplyOptions(warehouse=str(tmp_path), optimize_every_commits=2,
                            defaults=TableOptions(columns_exclude=(two_dimensional,)))

@@ -33,7 +33,7 @@ def _same(left: object, right: object) -> bool:
 def test_every_type_lands_in_delta_unchanged(captured, spark, tmp_path, binary, batches) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """``columnar``: the first rows create the target, then the other inserts are new rows only,
     appended straight from Arrow (apply/columnar.py) instead of through the collapse."""
-    columns, truth, decoded, captures = captured
+    columns, truth, decoded, captures, _ = captured
     two_dimensional = next(name for name, type_name in columns.items() if type_name == "int4[]")
     options = ApplyOptions(warehouse=str(tmp_path), defaults=TableOptions(columns_exclude=(two_dimensional,)))
     applier = BatchApplier(spark, options)
@@ -59,7 +59,7 @@ def test_every_type_lands_in_delta_unchanged(captured, spark, tmp_path, binary, 
 
 
 def test_a_multidimensional_array_fails_loudly_naming_the_column(captured, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
-    columns, truth, decoded, captures = captured
+    columns, truth, decoded, captures, _ = captured
     two_dimensional = next(name for name, type_name in columns.items() if type_name == "int4[]")
     with pytest.raises(CdcApplyError, match=f"column '{two_dimensional}': value \\[\\[1, 2\\], \\[3, 4\\]\\]"):
         BatchApplier(spark, ApplyOptions(warehouse=str(tmp_path))).apply(Assembler().transactions(captures[False]))

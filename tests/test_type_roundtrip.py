@@ -14,11 +14,13 @@ import psycopg
 import pytest
 
 from cdc_apply.assemble import Assembler, Change, Transaction
-from cdc_apply.changerows.segments import change_rows
+from cdc_apply.changerows.columns import InsertedRows, inserted_images
+from cdc_apply.changerows.segments import ChangeRowBuilder, change_rows
 from cdc_apply.pgtypes import UnrepresentableValueError, lookup
 from cdc_apply.pgtypes.datetime import (
     DATE_NEG_INFINITY, DATE_POS_INFINITY, TIMESTAMP_POS_INFINITY, date_from_text,
 )
+from cdc_apply.sources.copy_text import parse_copy_text
 from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
 from cdc_apply.pgoutput import messages as m
 from tests.rows_compare import assert_columnar_matches_scalar, normalised
@@ -124,11 +126,15 @@ def _capture(server, dbname):  # type: ignore[no-untyped-def]
             raws = captures[binary] = list(read_changes(conn, "types", PgOutputOptions(("pub",), binary=binary)))
             segments = change_rows(Assembler().transactions(raws))
             decoded[binary] = {r["new"]["id"]: r["new"] for seg in segments for r in seg.rows}
-    return columns, truth, decoded, captures
+        # The table as the snapshot copies it: COPY text, UTF-8 (sources/snapshot.py).
+        conn.execute("SET client_encoding TO 'UTF8'")
+        with conn.cursor().copy(f"COPY (SELECT id, {', '.join(columns)} FROM typed ORDER BY id) TO STDOUT") as copy:
+            copied = b"".join(bytes(data) for data in copy)
+    return columns, truth, decoded, captures, copied
 
 
 def test_columnar_conversion_equals_the_scalar_one_for_every_type(captured) -> None:  # type: ignore[no-untyped-def]
-    columns, _, _, captures = captured
+    columns, _, _, captures, _ = captured
     for binary, raws in captures.items():
         transactions = list(Assembler().transactions(raws))
         # The row holding a multi-dimensional array cannot be Arrow (docs/apply.md): compare the others.
@@ -144,29 +150,33 @@ def test_columnar_conversion_equals_the_scalar_one_for_every_type(captured) -> N
 
 
 def test_snapshot_chunks_convert_a_column_at_a_time_like_the_stream(captured) -> None:  # type: ignore[no-untyped-def]
-    """A snapshot chunk's rows (COPY text, split into values: ``sources/snapshot.py``) take the
-    column-at-a-time conversion (``changerows/columns.split_images``), equal to the scalar one, and
-    decode to what the text stream decoded."""
-    columns, truth, decoded, captures = captured
+    """A snapshot chunk's rows (PostgreSQL's COPY text, parsed into spans: ``sources/copy_text.py``)
+    take the column-at-a-time conversion, equal to the scalar one, and decode to what the text
+    stream decoded."""
+    columns, truth, decoded, captures, copied = captured
     first = next(iter(Assembler().transactions(captures[False])))
     relation = first.changes[0].relation
     assert [c.name for c in relation.columns] == ["id", *columns]
-    changes = []
-    for seq, (row_id, values) in enumerate(sorted(truth.items())):
-        texts = [str(row_id).encode(), *(None if v is None else v.encode() for v in values)]
-        kinds = bytes(m.KIND_NULL if v is None else m.KIND_TEXT for v in texts)
-        changes.append(Change(seq, "I", relation, new=m.TupleData(kinds, tuple(texts))))
+    rows = parse_copy_text(copied, len(relation.columns), lambda row: f"row {row}")
+    assert len(rows) == len(truth)
+    # The COPY values are PostgreSQL's text output, as the stream's text mode sends them.
+    assert [[rows.text(r, c) for c in range(1, len(relation.columns))] for r in range(len(rows))] == \
+        [list(values) for _, values in sorted(truth.items())]
+    changes = [Change(seq, "I", relation) for seq in range(len(rows))]
+    chunk = InsertedRows(inserted_images(rows.buf, rows.is_null, rows.starts, rows.lengths))
     # The stream's Type messages name the enum; without them an enum[] value stays text (both paths alike).
-    (segment,) = change_rows([Transaction(0, 100, 100, 0, changes, kind="snapshot", types=first.types)])
+    (segment,) = ChangeRowBuilder().build([Transaction(0, 100, 100, 0, changes, kind="snapshot", types=first.types)],
+                                          chunk)
     assert segment.columnar and not segment.from_stream
     assert_columnar_matches_scalar(segment, "snapshot")
     flat = [r for r in segment.scalar_rows()
             if not any(isinstance(v, list) and any(isinstance(e, list) for e in v) for v in r["new"].values())]
+    assert len(flat) == len(truth) - 1  # the row with the multi-dimensional array
     assert normalised([r["new"] for r in flat]) == normalised([decoded[False][r["new"]["id"]] for r in flat])
 
 
 def test_binary_and_text_decode_to_the_same_values(captured) -> None:  # type: ignore[no-untyped-def]
-    columns, truth, decoded, _ = captured
+    columns, truth, decoded, _, _ = captured
     assert decoded[False].keys() == truth.keys()
     for row_id, text_row in decoded[False].items():
         binary_row = decoded[True][row_id]
@@ -179,7 +189,7 @@ def test_binary_and_text_decode_to_the_same_values(captured) -> None:  # type: i
 
 
 def test_decoded_values_render_back_to_postgres_text(captured) -> None:  # type: ignore[no-untyped-def]
-    columns, truth, decoded, _ = captured
+    columns, truth, decoded, _, _ = captured
     special = {"float4", "float8", "money", "interval", "numeric[]"}
     checked = 0
     for binary in (False, True):
@@ -236,7 +246,7 @@ def _pg_equivalent(type_name: str, pg_text: str) -> str:
 
 
 def test_special_values_follow_their_documented_rule(captured) -> None:  # type: ignore[no-untyped-def]
-    columns, truth, decoded, _ = captured
+    columns, truth, decoded, _, _ = captured
     by_type = {type_name: name for name, type_name in columns.items()}
     for binary in (False, True):
         rows = decoded[binary]

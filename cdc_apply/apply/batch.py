@@ -38,7 +38,7 @@ from cdc_apply.apply.target_state import TargetState, TargetStates
 from cdc_apply.apply.targets import SourceState, Target, TargetRegistry, metadata_columns
 from cdc_apply.assemble import Change, Transaction
 from cdc_apply.changerows.codec import keep_as_text_hint
-from cdc_apply.changerows.columns import ParsedRows
+from cdc_apply.changerows.columns import InsertedRows, ParsedImages, ParsedRows
 from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.failpoints import failpoint
@@ -191,14 +191,15 @@ class BatchApplier:
         return BatchResult(len(transactions), transactions[0].commit_lsn, transactions[-1].commit_lsn,
                            [r for r in results if r is not None], time.perf_counter() - started)
 
-    def write_snapshot_chunk(self, relation: m.Relation, rows: Sequence[m.TupleData], first_row: int, version: int,
+    def write_snapshot_chunk(self, relation: m.Relation, rows: ParsedImages, first_row: int, version: int,
                              commit_ts: int, copy_progress: Mapping[str, object] | None) -> BatchResult:
-        """A chunk of a table's initial copy, appended to the target the caller created or cleared.
-        It carries no transaction id (the caller records the sync point once the copy ends);
-        ``copy_progress`` goes into its commit, so a copy cut short resumes after it."""
-        changes = [Change(first_row + i, "I", relation, new=image) for i, image in enumerate(rows)]
+        """A chunk of a table's initial copy (its rows' values as spans: ``inserted_images``), appended
+        to the target the caller created or cleared. It carries no transaction id (the caller records
+        the sync point once the copy ends); ``copy_progress`` goes into its commit, so a copy cut
+        short resumes after it."""
+        changes = [Change(first_row + i, "I", relation) for i in range(len(rows.new.present))]
         return self.apply([Transaction(0, version, version, commit_ts, changes, kind="snapshot")], snapshot=True,
-                          copy_progress=copy_progress)
+                          copy_progress=copy_progress, parsed=InsertedRows(rows))
 
     def _apply_parallel(self, work: list[tuple[int, list[TableChanges]]], version: Versioning,
                         snapshot: bool) -> list[TableResult | None]:

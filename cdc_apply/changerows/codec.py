@@ -122,18 +122,6 @@ class Segment:
         undecoded = list(map(_WIRE, self.changes)).count(None)
         return undecoded == 0 or undecoded == "".join(map(_OP, self.changes)).count("T")
 
-    @property
-    def columnar(self) -> bool:
-        """The column-at-a-time parse can take the segment: it was read from the stream, or it is
-        inserts whose new images are split into values already (a snapshot chunk's COPY rows)."""
-        return self.from_stream or self.decoded_inserts
-
-    @property
-    def decoded_inserts(self) -> bool:
-        columns = len(self.codec.columns)
-        return all(c.op == "I" and c.wire is None and c.new is not None and len(c.new) == columns
-                   for c in self.changes)
-
     def scalar_rows(self) -> list[dict[str, Any]]:
         """The change rows as Python values, converted change by change."""
         return [change_row(txn, change, self.codec) for txn, change in zip(self.transactions, self.changes)]

@@ -87,9 +87,8 @@ class ParsedSegment:
 
 
 def parse_segment(segment: Segment, parsed: ParsedRows | None = None) -> ParsedSegment:
-    """``segment.columnar`` must hold: every row change holds its message bytes, or every change is
-    an insert with its new image split into values (a snapshot chunk). ``parsed`` may give the
-    images parsed already; the messages are parsed when it gives None."""
+    """``parsed`` may give the images parsed already; else every row change must hold its message
+    bytes (``segment.from_stream``), which are parsed."""
     changes = segment.changes
     count = len(changes)
     ops = np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8)
@@ -97,7 +96,7 @@ def parse_segment(segment: Segment, parsed: ParsedRows | None = None) -> ParsedS
     wired = list(range(count)) if not truncates.any() else [i for i, c in enumerate(changes) if c.wire is not None]
     images = None if parsed is None else parsed.images(segment, wired)
     if images is None:
-        images = parse_images(segment, wired) if segment.from_stream else split_images(segment)
+        images = parse_images(segment, wired)
     buf, key, old, new = images
     relation = segment.relation
     common = _transaction_columns(segment.transactions)
@@ -209,21 +208,35 @@ def parse_images(segment: Segment, wired: list[int]) -> ParsedImages:
     return ParsedImages(buf, key, old, new)
 
 
-def split_images(segment: Segment) -> ParsedImages:
-    """The images (no key, no old, the new) of inserts whose images hold their values already (a
-    snapshot chunk's COPY rows): the same spans the parse of message bytes gives."""
-    images = [change.new for change in segment.changes]
-    count, columns = len(images), len(segment.codec.columns)
-    kinds = np.frombuffer(b"".join(image.kinds for image in images), np.uint8).reshape(count, columns)  # type: ignore[union-attr]
-    values = [value or b"" for image in images for value in image.values]  # type: ignore[union-attr]
-    lengths = np.fromiter(map(len, values), np.int64, len(values))
-    starts = np.cumsum(lengths) - lengths
-    buf = np.frombuffer(b"".join(values), np.uint8)
-    shape = (count, columns)
-    new = ImageSpans(kinds.copy(), starts.reshape(shape), lengths.reshape(shape), np.ones(count, bool))
-    none = ImageSpans(np.zeros(shape, np.uint8), np.zeros(shape, np.int64), np.zeros(shape, np.int64),
-                      np.zeros(count, bool))
+def inserted_images(buf: np.ndarray, is_null: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> ParsedImages:
+    """The images (no key, no old, the new) of inserts whose new rows are text values as spans over
+    ``buf`` already (a snapshot chunk's COPY rows): the spans the parse of message bytes gives."""
+    rows, columns = is_null.shape
+    new = ImageSpans(np.where(is_null, m.KIND_NULL, m.KIND_TEXT).astype(np.uint8), starts, lengths, np.ones(rows, bool))
+    none = ImageSpans(np.zeros((rows, columns), np.uint8), np.zeros((rows, columns), np.int64),
+                      np.zeros((rows, columns), np.int64), np.zeros(rows, bool))
     return ParsedImages(buf, None, none, new)
+
+
+@dataclass
+class InsertedRows:
+    """The ``ParsedRows`` of a snapshot chunk: inserts without message bytes, every new image given."""
+
+    given: ParsedImages
+
+    def table(self, segment: Segment) -> pa.Table | None:
+        return None
+
+    def images(self, segment: Segment, wired: list[int]) -> ParsedImages:
+        return self.given
+
+    def new_tuples(self) -> list[m.TupleData]:
+        """The new images one by one, for the change-by-change conversion (a value Arrow cannot hold)."""
+        new, buf = self.given.new, self.given.buf
+        return [m.TupleData(kinds.tobytes(), tuple(None if kind == m.KIND_NULL else buf[start:start + length].tobytes()
+                                                   for kind, start, length in zip(kinds.tolist(), starts.tolist(),
+                                                                                  lengths.tolist())))
+                for kinds, starts, lengths in zip(new.kinds, new.starts, new.lengths)]
 
 
 def _image_from(spans: TupleSpans, rows: np.ndarray) -> ImageSpans:

@@ -3,16 +3,18 @@
 A table's changes are split into segments at each new Relation definition, so every segment has
 one fixed image type; segments of one table come out in stream order.
 
-Two builders give the same rows (tests/test_golden_capture.py, test_type_roundtrip.py and test_columnar_fuzz.py hold them equal): ``change_row``
-converts change by change (the reference, and the path for snapshot chunks, whose images are
-already decoded), and ``changerows.columns.change_table`` converts a whole column at a time (the
-path for everything read from the stream). ``TableChanges.rows`` are the Arrow rows as Python
-values for the apply's collapse.
+Two builders give the same rows (tests/test_golden_capture.py, test_type_roundtrip.py and
+test_columnar_fuzz.py hold them equal): ``change_row`` converts change by change (the reference,
+and the fallback for a value Arrow cannot hold), and ``changerows.columns.change_table`` converts a
+whole column at a time (the path for everything read from the stream, and for snapshot chunks,
+whose COPY values come as spans already). ``TableChanges.rows`` are the Arrow rows as Python
+values for the apply's row-by-row collapse.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from functools import cached_property
 from itertools import repeat
 from operator import attrgetter
@@ -24,7 +26,7 @@ from cdc_apply.assemble import Transaction
 from cdc_apply.changerows.codec import (
     ColumnCodec, RelationCodec, Segment, change_row, change_row_schema, where_change,
 )
-from cdc_apply.changerows.columns import NotArrowRepresentable, ParsedRows, change_table, python_rows
+from cdc_apply.changerows.columns import InsertedRows, NotArrowRepresentable, ParsedRows, change_table, python_rows
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgtypes import TypeCache
 
@@ -33,7 +35,19 @@ _RELATION = attrgetter("relation")
 class TableChanges(Segment):
     """A segment with its change rows as Arrow and as Python values."""
 
-    parsed: ParsedRows | None = None  # rows parsed already by their deliverer (foreach_batch)
+    parsed: ParsedRows | None = None  # rows parsed already by their deliverer (foreach_batch, a snapshot chunk)
+
+    @property
+    def columnar(self) -> bool:
+        """The column-at-a-time conversion takes the segment: its changes hold their message bytes,
+        or they are a snapshot chunk's inserts, whose images are given."""
+        return self.from_stream or isinstance(self.parsed, InsertedRows)
+
+    def scalar_rows(self) -> list[dict[str, Any]]:
+        if not isinstance(self.parsed, InsertedRows):
+            return super().scalar_rows()
+        return [change_row(txn, replace(change, new=new), self.codec)
+                for txn, change, new in zip(self.transactions, self.changes, self.parsed.new_tuples())]
 
     @cached_property
     def rows(self) -> list[dict[str, Any]]:

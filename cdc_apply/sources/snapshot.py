@@ -24,6 +24,7 @@ from psycopg import sql
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgoutput import messages as m
+from cdc_apply.sources.copy_text import CopyRows, parse_copy_text
 
 KEY_FLAG = 1
 
@@ -70,10 +71,10 @@ class ExportedSnapshot:
             self.conn.close()  # a temporary slot goes with its connection
 
     def rows(self, table: PublishedTable, chunk_rows: int, order_by: Sequence[str] = (),
-             after: Sequence[str] | None = None) -> Iterator[list[m.TupleData]]:
-        """The table's rows at the snapshot, as text-format TupleData, ``chunk_rows`` at a time;
-        ordered by the unique key ``order_by`` and, when ``after`` (its text values) is given, only
-        the rows past it: the rest of a copy cut short."""
+             after: Sequence[str] | None = None) -> Iterator[CopyRows]:
+        """The table's rows at the snapshot, as COPY text values in UTF-8 (``copy_text.py``),
+        ``chunk_rows`` at a time; ordered by the unique key ``order_by`` and, when ``after`` (its
+        text values) is given, only the rows past it: the rest of a copy cut short."""
         relation = table.relation
         columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in relation.columns)
         # ONLY: an inheritance parent's children are published (and copied) as tables of their own.
@@ -96,15 +97,25 @@ class ExportedSnapshot:
                     query, sql.SQL(" AND ").join(sql.SQL("({})").format(c) for c in conditions))
             if order_by:
                 query = sql.SQL("{} ORDER BY {}").format(query, sql.SQL(", ").join(map(sql.Identifier, order_by)))
+            conn.execute("SET client_encoding TO 'UTF8'")  # the values go to the converters as UTF-8 bytes
+            copied = 0
+            columns = len(relation.columns)
+
+            def where(row: int) -> str:
+                return f"COPY of {table.qualified_name}, row {copied + row + 1}"
+
             with conn.cursor().copy(sql.SQL("COPY ({}) TO STDOUT").format(query)) as copy:
-                chunk: list[m.TupleData] = []
-                for row in copy.rows():
-                    chunk.append(_tuple(row))
-                    if len(chunk) >= chunk_rows:
-                        yield chunk
-                        chunk = []
-                if chunk:
-                    yield chunk
+                chunk = bytearray()
+                count = 0
+                for data in copy:  # one row per message
+                    chunk += data
+                    count += 1
+                    if count >= chunk_rows:
+                        yield parse_copy_text(bytes(chunk), columns, where)
+                        copied += count
+                        chunk, count = bytearray(), 0
+                if count:
+                    yield parse_copy_text(bytes(chunk), columns, where)
 
     def published_tables(self, publication: str) -> list[PublishedTable]:
         """The publication's tables as the snapshot sees them. Creating the export waits for running
@@ -127,11 +138,6 @@ class ExportedSnapshot:
                 yield conn
             finally:
                 conn.rollback()
-
-
-def _tuple(row: tuple[object, ...]) -> m.TupleData:
-    kinds = bytes(m.KIND_NULL if value is None else m.KIND_TEXT for value in row)
-    return m.TupleData(kinds, tuple(None if value is None else str(value).encode() for value in row))
 
 
 _TABLES_QUERY = """
