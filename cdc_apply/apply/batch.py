@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -165,8 +165,9 @@ class BatchApplier:
         """``snapshot``: the transactions are initial-snapshot chunks for tables the caller cleared
         (inserts only, appended; no transaction ids; the caller records the sync point), and
         ``copy_progress`` goes into the chunk's commit metadata (``"copy"``), so a copy cut short
-        resumes after it. ``stream_batch``: (query id, batch id) of a Structured Streaming micro-batch, and
-        ``parsed`` gives its change rows as the data source parsed them (``ChangeRowBuilder.build``)."""
+        resumes after it. ``stream_batch``: (query id, batch id) of a Structured Streaming micro-batch.
+        ``parsed``: the change rows as their deliverer parsed them already (the data source's rows of a
+        micro-batch, a snapshot chunk's COPY values; ``ChangeRowBuilder.build``)."""
         started = time.perf_counter()
         transactions = list(transactions)
         if not transactions:

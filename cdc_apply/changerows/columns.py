@@ -48,7 +48,7 @@ class ImageSpans:
 
 
 class ParsedImages(NamedTuple):
-    """The key, old and new images of a segment's wire-backed changes, as spans over one buffer."""
+    """The key, old and new images of a segment's changes (those with images), as spans over one buffer."""
 
     buf: np.ndarray
     key: ImageSpans | None  # None: every key image is the new row's
@@ -58,8 +58,8 @@ class ParsedImages(NamedTuple):
 
 class ParsedRows(Protocol):
     """Change rows parsed already by whoever delivered them: ``foreach_batch`` has the data source's
-    rows (``spark/rows.py``, ``MicroBatchRows``). Either method may give None: then the segment's
-    messages are parsed and converted as usual."""
+    rows (``spark/rows.py``, ``MicroBatchRows``), a snapshot chunk its COPY values (``InsertedRows``).
+    Either method may give None: then the segment's messages are parsed and converted as usual."""
 
     def table(self, segment: Segment) -> pa.Table | None:
         """The segment's change rows, typed as ``segment.schema()``."""
