@@ -22,7 +22,6 @@ from cdc_apply.pgtypes.datetime import (
 )
 from cdc_apply.sources.copy_text import parse_copy_text
 from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
-from cdc_apply.pgoutput import messages as m
 from tests.rows_compare import assert_columnar_matches_scalar, normalised
 
 # column type -> literals (each becomes one row); rendered == PostgreSQL's text unless noted
