@@ -192,8 +192,8 @@ def test_batches_of_new_rows_are_appended_and_others_merged(db18, spark, tmp_pat
 def test_updates_and_deletes_collapse_as_columns(db18, spark, tmp_path):  # type: ignore[no-untyped-def]
     """Batches of inserts, updates and deletes, many to one key, key changes and unchanged TOAST,
     collapse as Arrow columns (apply/columnar.py) and MERGE to PostgreSQL's rows, with hard and with
-    soft deletes; a TOAST value only another key's row or an earlier change holds takes the row-by-row
-    collapse."""
+    soft deletes; a TOAST value that no change or an earlier change of the key holds is taken as columns, one
+    only another key's row holds takes the row-by-row collapse."""
     server, dbname = db18
     columns = ["id", "v", "n", "t", "b"]
     with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
@@ -212,9 +212,13 @@ def test_updates_and_deletes_collapse_as_columns(db18, spark, tmp_path):  # type
             conn.execute("DELETE FROM c WHERE id IN (42, 7)")
         conn.execute("UPDATE c SET id = 100 WHERE id = 8")  # b unchanged TOAST of another key's row: row by row
         conn.execute("UPDATE c SET v = 'toast' WHERE id IN (1, 2)")  # unchanged TOAST, kept from the target
-        with conn.transaction():  # the second change's b only the first one's row holds: row by row
+        with conn.transaction():  # two changes of one key, b unchanged TOAST in both: kept from the target
             conn.execute("UPDATE c SET v = 'x' WHERE id = 4")
             conn.execute("UPDATE c SET n = 9 WHERE id = 4")
+            # b set, then sent as unchanged TOAST: carried forward from the first change
+            conn.execute("UPDATE c SET b = (SELECT string_agg(md5('new' || x::text), '') FROM generate_series(1, 200) x) "
+                         "WHERE id = 6")
+            conn.execute("UPDATE c SET v = 'y' WHERE id = 6")
         conn.execute("UPDATE c SET id = 200 WHERE id = 11")  # a key change
         truth = postgres_rows(conn, "public.c", columns)
         types = source_types(conn, "public.c")
@@ -230,7 +234,7 @@ def test_updates_and_deletes_collapse_as_columns(db18, spark, tmp_path):  # type
         assert both.columnar and both.write == "merge" and both.ops == {"U": 16, "D": 10, "I": 3}
         assert both.keys_written == 22  # 13 updated and 8 deleted (2 of them both), 41, 42, 7
         taken = [applier.apply([transaction]).tables[0] for transaction in transactions[3:]]
-        assert [table.columnar for table in taken] == [False, True, False, True], delete_mode
+        assert [table.columnar for table in taken] == [False, True, True, True], delete_mode
         assert taken[-1].keys_written == 2  # the old key deleted, the new one written
         where = "NOT _cdc_deleted" if delete_mode == "soft" else None
         assert delta_rows(spark, f"{warehouse}/public/c", columns, types, where=where) == truth, delete_mode

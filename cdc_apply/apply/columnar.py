@@ -6,10 +6,10 @@ the common case, and returns None for the rest, which take the row-by-row collap
 - the segment is one Relation definition that the column-at-a-time parse takes (``segment_rows``:
   read from the stream, or a snapshot chunk);
 - inserts, updates and deletes only (no truncate), of a table with a key, or inserts only without one;
-- a column sent as unchanged TOAST in a key's last change is taken from the full old image, or
-  kept from the target row when that change is the key's only one in the batch and did not move
-  the row from another key; anything else (the value would come from an earlier change or from
-  another key's target row, or a key column is unchanged TOAST) takes the row-by-row collapse;
+- a column sent as unchanged TOAST in a key's last change is taken from the full old image, else
+  from the key's latest earlier change in the batch that holds it, else kept from the target row
+  (no change of the key in the batch touched it); a value that would come from another key's row
+  (a row moved to the key), or a key column sent as unchanged TOAST, takes the row-by-row collapse;
 - every value fits its target column, and the key columns can be grouped (no floating point, whose
   -0 and NaN Arrow groups otherwise than PostgreSQL's equality).
 
@@ -90,8 +90,7 @@ def collapsed_columns(table: pa.Table, after_lsn: int | None, column_map: Mappin
         first_new = np.asarray(pc.equal(events.kind.take(pa.array(first)), "I").to_numpy(zero_copy_only=False), bool)
         new_rows_only = bool((first_new | events.moved[first]).all())
         upserts = pc.not_equal(final_kind, "D")
-        toast = _unchanged_toast(table, images, rows, last == first, events.moved[last], upserts,
-                                 {source_of[k] for k in keys})
+        toast = _unchanged_toast(table, images, events, last, last == first, upserts, {source_of[k] for k in keys})
         if toast is None:
             return None
         columns: dict[str, pa.Array] = {}
@@ -106,10 +105,12 @@ def collapsed_columns(table: pa.Table, after_lsn: int | None, column_map: Mappin
                 columns[target] = pa.nulls(len(last), kind)
                 keep[target] = np.ones(len(last), bool)
             elif source in toast:
-                from_old, kept = toast[source]
-                values = pc.if_else(pa.array(from_old), take_rows(images.old[source]), take_rows(images.new[source]))
+                held = toast[source]
+                value_rows = pa.array(held.rows)
+                values = pc.if_else(pa.array(held.from_old), images.old[source].take(value_rows),
+                                    images.new[source].take(value_rows))
                 columns[target] = values.cast(kind)
-                keep[target] = kept
+                keep[target] = held.kept
             else:
                 columns[target] = take_rows(images.new[source]).cast(kind)
     except _ARROW_FAILURES:
@@ -204,23 +205,29 @@ def _key_events(images: _Images, op: pa.Array, sources: list[str]) -> _Events | 
     return _Events(row, kind, keys, moved_events, order)
 
 
-def _unchanged_toast(table: pa.Table, images: _Images, rows: np.ndarray, only_event: np.ndarray, moved: np.ndarray,
-                     upserts: pa.Array, key_sources: set[str]) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
-    """Per source column sent as unchanged TOAST in some key's last change: which result rows take
-    it from the full old image and which keep the target's value; None when some value would come
-    from an earlier change or another key's row, or a key column is unchanged TOAST (the row-by-row
-    collapse finds the value, or names the change it cannot key)."""
+def _unchanged_toast(table: pa.Table, images: _Images, events: _Events, last: np.ndarray, only_event: np.ndarray,
+                     upserts: pa.Array, key_sources: set[str]) -> dict[str, _ToastValues] | None:
+    """Per source column sent as unchanged TOAST in some key's last change: where each result row's
+    value comes from. In order: the last change's full old image; else the key's latest earlier
+    change in the batch that holds the value (an insert, an update that sent it, or one with a full
+    old image); else, when no change of the key touched it, the target row's value (kept). None when
+    the value would come from another key's row (a row moved to this key, or a key column is
+    unchanged TOAST): the row-by-row collapse finds it there or names the change it cannot key."""
     unchanged = _whole(table.column("unchanged"))
     names = unchanged.flatten()
     if len(names) == 0:
         return {}
     if key_sources & set(names.to_pylist()):
         return None
+    rows = events.row[last]
     parents = pc.list_parent_indices(unchanged).to_numpy()
     names_np = np.asarray(names.to_pylist(), dtype=object)
-    old_present = np.asarray(images.old_present.to_numpy(zero_copy_only=False), bool)[rows]
+    old_present_by_row = np.asarray(images.old_present.to_numpy(zero_copy_only=False), bool)
+    old_present = old_present_by_row[rows]
     upsert_mask = np.asarray(upserts.to_numpy(zero_copy_only=False), bool)
-    toast: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    moved = events.moved[last]
+    toast: dict[str, _ToastValues] = {}
+    history: _KeyHistory | None = None
     for name in set(names_np):
         missing = np.zeros(len(table), bool)
         missing[parents[names_np == name]] = True
@@ -229,10 +236,73 @@ def _unchanged_toast(table: pa.Table, images: _Images, rows: np.ndarray, only_ev
             continue
         from_old = affected & old_present
         kept = affected & ~old_present
-        if (kept & (~only_event | moved)).any():
+        if (kept & moved).any():
             return None
-        toast[name] = (from_old, kept)
+        value_rows = rows.copy()
+        earlier = kept & ~only_event
+        if earlier.any():
+            history = history or _KeyHistory(events)
+            found = history.latest_holder(missing, old_present_by_row, last[earlier])
+            if found is None:
+                return None
+            holder_rows, holder_from_old, held = found
+            value_rows[earlier] = np.where(held, holder_rows, value_rows[earlier])
+            from_old[earlier] = held & holder_from_old
+            kept[earlier] = ~held
+        toast[name] = _ToastValues(value_rows, from_old, kept)
     return toast
+
+
+@dataclass(frozen=True)
+class _ToastValues:
+    """An unchanged-TOAST column's value per result row: from change row ``rows`` (its old image where
+    ``from_old``, else its new), or the target's where ``kept``."""
+
+    rows: np.ndarray
+    from_old: np.ndarray
+    kept: np.ndarray
+
+
+class _KeyHistory:
+    """Each key's events in stream order (``events`` positions, one run per key)."""
+
+    def __init__(self, events: _Events) -> None:
+        in_order = np.argsort(events.order, kind="stable")
+        grouped = pa.table({**{f"k{i}": c.take(pa.array(in_order)) for i, c in enumerate(events.keys)},
+                            "_position": in_order}) \
+            .group_by([f"k{i}" for i in range(len(events.keys))], use_threads=False) \
+            .aggregate([("_position", "list")])
+        runs = _whole(grouped["_position_list"])
+        self.positions = runs.flatten().to_numpy()
+        offsets = runs.offsets.to_numpy()
+        self.run_start = np.repeat(offsets[:-1], np.diff(offsets))  # per flat index: where its key's run starts
+        self.index_of = np.empty(len(self.positions), np.int64)  # event position -> flat index
+        self.index_of[self.positions] = np.arange(len(self.positions))
+        self.kinds = np.asarray(events.kind.to_numpy(zero_copy_only=False), dtype=object)[self.positions]
+        self.rows = events.row[self.positions]
+        self.moved = events.moved[self.positions]
+
+    def latest_holder(self, unchanged: np.ndarray, old_present: np.ndarray,
+                      last_positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """For keys whose last event (``last_positions``) sent the column as unchanged TOAST without a
+        full old image: the change row of the latest earlier event that holds its value, whether that
+        value is in its old image, and whether there is one at all (none: the target's value stands).
+        None when such a value would come from elsewhere: a row moved to the key, or a delete."""
+        kinds, rows = self.kinds, self.rows
+        sent = ~unchanged[rows]
+        with_old = unchanged[rows] & old_present[rows]
+        holds = (kinds == "I") | ((kinds == "U") & (sent | with_old))
+        blocks = (kinds == "D") | ((kinds == "U") & ~holds & self.moved)
+        marked = np.where(holds | blocks, np.arange(len(self.positions)), -1)
+        latest = np.maximum.accumulate(marked) if len(marked) else marked
+        ends = self.index_of[last_positions]
+        before = np.where(ends > self.run_start[ends], latest[np.maximum(ends - 1, 0)], -1)
+        before = np.where(before >= self.run_start[ends], before, -1)
+        found = before >= 0
+        if blocks[before[found]].any():
+            return None
+        holder = np.where(found, before, 0)
+        return rows[holder], with_old[holder] & found, found
 
 
 def _keep_lists(keep: Mapping[str, np.ndarray], upserts: np.ndarray) -> pa.Array:
