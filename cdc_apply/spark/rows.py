@@ -131,7 +131,6 @@ def _text_map(parsed: ParsedSegment, image: ImageSpans, indexes: list[int]) -> p
     return result if parsed.take is None else result.take(parsed.take)
 
 
-
 class MicroBatchRows:
     """A micro-batch of the data source's change rows, as the apply takes rows parsed already
     (``changerows.columns.ParsedRows``), so ``foreach_batch`` parses nothing twice:
