@@ -133,6 +133,11 @@ def test_foreach_batch_converts_the_data_sources_text_images_to_the_rows_of_the_
     assert compared > 500
 
 
+def test_an_empty_micro_batch_is_no_transaction() -> None:
+    transactions, parsed = micro_batch_changes(SOURCE_SCHEMA.empty_table())
+    assert transactions == [] and not ChangeRowBuilder().build(transactions, parsed)
+
+
 def test_foreach_batch_refuses_a_text_image_that_does_not_fit_its_relation(golden) -> None:  # type: ignore[no-untyped-def]
     version, found, captures, truth = golden
     transactions = list(Assembler().transactions(captures[("v1", False)]))

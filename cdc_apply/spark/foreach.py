@@ -114,6 +114,8 @@ def micro_batch_changes(table: pa.Table) -> tuple[list[Transaction], MicroBatchR
     ordered = ordered.set_column(ordered.schema.get_field_index("commit_ts"), "commit_ts",
                                  ordered["commit_ts"].cast(pa.int64()))  # microseconds since 1970
     count = ordered.num_rows
+    if count == 0:  # Spark runs a batch for an offset that moved over unpublished WAL only
+        return [], MicroBatchRows(ordered, {})
     commit_lsns = ordered["commit_lsn"].to_numpy()
     xids = ordered["xid"].to_numpy()
     firsts = np.flatnonzero(np.concatenate(([True], (commit_lsns[1:] != commit_lsns[:-1]) | (xids[1:] != xids[:-1]))))
