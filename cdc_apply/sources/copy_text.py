@@ -65,10 +65,9 @@ def parse_copy_text(data: bytes, columns: int, where: Callable[[int], str]) -> C
     starts[:, 1:] = ends[:, :-1] + 1
     starts[:, 0] = np.concatenate(([0], ends[:-1, -1] + 1))
     lengths = ends - starts
-    first = buf[np.minimum(starts, max(len(buf) - 1, 0))] if len(buf) else np.zeros_like(starts, np.uint8)
-    second = buf[np.minimum(starts + 1, max(len(buf) - 1, 0))] if len(buf) else first
-    is_null = (lengths == 2) & (first == _BACKSLASH) & (second == _N)
-    escaped = _fields_with_backslash(buf, starts, ends, is_null)
+    # A field starts at or before its delimiter, so within buf; the byte after it may not be.
+    is_null = (lengths == 2) & (buf[starts] == _BACKSLASH) & (buf[np.minimum(starts + 1, len(buf) - 1)] == _N)
+    escaped = _fields_with_backslash(buf, starts, is_null)
     if not len(escaped):
         return CopyRows(buf, is_null, starts, lengths)
     extra = bytearray()
@@ -82,13 +81,11 @@ def parse_copy_text(data: bytes, columns: int, where: Callable[[int], str]) -> C
     return CopyRows(np.frombuffer(data + bytes(extra), np.uint8), is_null, starts, lengths)
 
 
-def _fields_with_backslash(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, is_null: np.ndarray) -> np.ndarray:
-    """Flat indexes of the non-NULL fields holding a backslash."""
+def _fields_with_backslash(buf: np.ndarray, starts: np.ndarray, is_null: np.ndarray) -> np.ndarray:
+    """Flat indexes of the non-NULL fields holding a backslash (never a delimiter, so always inside
+    the field that starts last before it)."""
     slashes = np.flatnonzero(buf == _BACKSLASH)
-    if not len(slashes):
-        return slashes
-    fields = np.searchsorted(starts.reshape(-1), slashes, side="right") - 1
-    fields = np.unique(fields[slashes < ends.reshape(-1)[fields]])
+    fields = np.unique(np.searchsorted(starts.reshape(-1), slashes, side="right") - 1)
     return fields[~is_null.reshape(-1)[fields]]
 
 

@@ -187,9 +187,10 @@ class MicroBatchRows:
         if len(unchanged.values):
             toast_rows = np.repeat(np.arange(len(wired)), np.diff(np.asarray(unchanged.offsets)))
             toast_columns = _column_indexes("unchanged", unchanged.flatten(), names, toast_rows, where)
-            if np.any(new.kinds[toast_rows, toast_columns] != 0):
-                row = toast_rows[int(np.argmax(new.kinds[toast_rows, toast_columns] != 0))]
-                raise CdcApplyError(f"{where(row)}: a column of new is also named in unchanged")
+            also_sent = new.kinds[toast_rows, toast_columns] != 0
+            if also_sent.any():
+                raise CdcApplyError(f"{where(int(toast_rows[int(np.argmax(also_sent))]))}: a column of new is also "
+                                    "named in unchanged")
             new.kinds[toast_rows, toast_columns] = m.KIND_UNCHANGED_TOAST
         _require_columns("new", new, range(len(codec.columns)), names, where)
         _require_columns("key", key, codec.key_indexes, names, where)
