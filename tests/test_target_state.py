@@ -91,3 +91,59 @@ def test_targets_are_compacted_every_n_commits_and_keep_their_rows(captured, spa
 
     by_delta_rs = pa.RecordBatchReader.from_stream(DeltaTable(path).scan(columns=["id"])).read_all()
     assert sorted(by_delta_rs.column("id").to_pylist()) == sorted(decoded[False])
+
+
+def _rebuilt_writers(target: Target) -> dict[str, int]:
+    """Delta's own answer, from the table state rebuilt by Spark jobs."""
+    entries = target._snapshot().transactions().iterator()
+    writers: dict[str, int] = {}
+    while entries.hasNext():
+        entry = entries.next()
+        writers[str(entry._1())] = int(entry._2())
+    return writers
+
+
+def _jobs_run_by(spark, group: str, action) -> tuple[object, int]:  # type: ignore[no-untyped-def]
+    spark.sparkContext.setJobGroup(group, group)
+    try:
+        result = action()
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    return result, len(spark.sparkContext.statusTracker().getJobIdsForGroup(group))
+
+
+def test_writer_versions_and_properties_come_from_the_checksum_without_a_state_rebuild(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "t")
+    spark.range(1).selectExpr("id", "'x' AS v").write.format("delta").save(path)
+    _append(spark, path, "pipe/1", 5, "m1")
+    _append(spark, path, "other/1", 9, "m2")
+    _append(spark, path, "pipe/1", 6, "m3")
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('cdc_apply.source' = '{{}}', 'x.y' = 'z')")
+    spark._jvm.org.apache.spark.sql.delta.DeltaLog.clearCache()  # a restarted process: nothing built yet
+
+    target = Target(spark, path, False)
+    writers, jobs = _jobs_run_by(spark, "writers-from-checksum", target.committed_versions)
+    assert writers == {"pipe/1": 6, "other/1": 9}
+    assert jobs == 0, "the writers' versions were read by rebuilding the table state"
+    properties, jobs = _jobs_run_by(spark, "properties-from-metadata", target.properties)
+    assert jobs == 0
+    detail = dict(spark.sql(f"DESCRIBE DETAIL delta.`{path}`").select("properties").first()[0])
+    assert properties == detail and properties["x.y"] == "z"
+    assert writers == _rebuilt_writers(target)
+
+    # No checksum for the newest version (a writer that skips them): the state is rebuilt, same answer.
+    _append(spark, path, "pipe/1", 7, "m4")
+    newest = max(tmp_path.joinpath("t", "_delta_log").glob("*.crc"))
+    newest.unlink()
+    spark._jvm.org.apache.spark.sql.delta.DeltaLog.clearCache()
+    target = Target(spark, path, False)
+    assert target._snapshot().checksumOpt().isEmpty()
+    assert target.committed_versions() == {"pipe/1": 7, "other/1": 9}
+
+    # A table that expires SetTransactions: the checksum does not apply the expiry, so it is not used.
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.setTransactionRetentionDuration' = 'interval 1 days')")
+    _append(spark, path, "pipe/1", 8, "m5")
+    spark._jvm.org.apache.spark.sql.delta.DeltaLog.clearCache()
+    target = Target(spark, path, False)
+    writers, jobs = _jobs_run_by(spark, "writers-with-retention", target.committed_versions)
+    assert writers == {"pipe/1": 8, "other/1": 9} and jobs > 0

@@ -15,7 +15,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +35,16 @@ _NEEDS_COLUMN_MAPPING = re.compile(r"[ ,;{}()\n\t=]")
 
 def quote(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
+
+
+def _scala_map(entries: Any, value: Callable[[Any], Any] = str) -> dict[str, Any]:
+    """A Scala ``Map`` from py4j as a dict of ``str`` keys and ``value(v)`` values."""
+    found: dict[str, Any] = {}
+    iterator = entries.iterator()
+    while iterator.hasNext():
+        entry = iterator.next()
+        found[str(entry._1())] = value(entry._2())
+    return found
 
 
 def needs_column_mapping(column: str) -> bool:
@@ -116,7 +126,9 @@ class Target:
         return {name: kind for name, kind in self.column_types().items() if not name.startswith(METADATA_PREFIX)}
 
     def properties(self) -> dict[str, str]:
-        return dict(self.delta().detail().select("properties").first()[0] or {})
+        """The table's properties, from the newest snapshot's metadata (no ``DESCRIBE DETAIL``, which
+        rebuilds the file list for its size figures)."""
+        return _scala_map(self._snapshot().metadata().configuration())
 
     def source_state(self) -> SourceState | None:
         """None for a Delta table cdc_apply did not create (it is then adopted as it is)."""
@@ -128,19 +140,33 @@ class Target:
         return self.committed_versions().get(app_id)
 
     def committed_versions(self) -> dict[str, int]:
-        """Every writer identity's last ``txnVersion`` (Delta's SetTransactions): app id -> version."""
-        empty = self.spark._jvm.scala.Option.empty()  # type: ignore[attr-defined]
-        entries = self._delta_log().update(False, empty, empty).transactions().iterator()
-        versions: dict[str, int] = {}
-        while entries.hasNext():
-            entry = entries.next()
-            versions[str(entry._1())] = int(entry._2())
-        return versions
+        """Every writer identity's last ``txnVersion`` (Delta's SetTransactions): app id -> version.
+
+        Read from the newest version's checksum file when it lists them, as later Delta releases do
+        (``setTransactionsIfKnown``): rebuilding the table state instead costs Spark jobs, seconds
+        for each table a restarted pipeline checks. Without a checksum, or when the table expires
+        SetTransactions (``delta.setTransactionRetentionDuration``, which the checksum does not
+        apply), the state is rebuilt."""
+        snapshot = self._snapshot()
+        checksum = snapshot.checksumOpt()
+        if checksum.isDefined() and checksum.get().setTransactions().isDefined() \
+                and snapshot.minSetTransactionRetentionTimestamp().isEmpty():
+            entries = checksum.get().setTransactions().get().iterator()
+            versions: dict[str, int] = {}
+            while entries.hasNext():
+                entry = entries.next()
+                versions[str(entry.appId())] = int(entry.version())
+            return versions
+        return _scala_map(snapshot.transactions(), int)
 
     def log_version(self) -> int:
         """The newest version in the Delta log (-1: no table). Lists the log, reads no table state."""
+        return int(self._snapshot().version())
+
+    def _snapshot(self) -> Any:
+        """The Delta log's newest snapshot (lists the log; the table state is built only on use)."""
         empty = self.spark._jvm.scala.Option.empty()  # type: ignore[attr-defined]
-        return int(self._delta_log().update(False, empty, empty).version())
+        return self._delta_log().update(False, empty, empty)
 
     def commit_is(self, log_version: int, app_id: str | None, txn_version: int, user_metadata: str) -> bool:
         """Whether the commit ``log_version`` is the one a writer made with these confs: its
