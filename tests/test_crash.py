@@ -20,7 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
+import pyarrow as pa
 import pytest
+from deltalake import DeltaTable
 
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.lsn import parse_lsn
@@ -68,12 +70,14 @@ def _confirmed(conn: psycopg.Connection) -> int:
     return parse_lsn(row[0])
 
 
-def _assert_confirmed_is_durable(spark, conn, load: Load, warehouse: str) -> None:  # type: ignore[no-untyped-def]
+def _assert_confirmed_is_durable(conn: psycopg.Connection, load: Load, warehouse: str) -> None:
+    """Read by delta-rs: a second Delta reader, and ~1 s faster per kill than a Spark read that
+    rebuilds the table state of every new version."""
     confirmed = _confirmed(conn)
     covered = {seq for seq, lsn in dict(load.ledger_lsns).items() if lsn <= confirmed}
     path = Path(warehouse) / "public" / "ledger"
-    in_delta = set() if not (path / "_delta_log").exists() else {
-        row.seq for row in spark.read.format("delta").load(str(path)).select("seq").collect()}
+    in_delta = set() if not (path / "_delta_log").exists() else set(pa.RecordBatchReader.from_stream(
+        DeltaTable(str(path)).scan(columns=["seq"])).read_all().column("seq").to_pylist())
     missing = covered - in_delta
     assert not missing, f"slot confirmed past {len(missing)} transactions Delta does not hold: {sorted(missing)[:5]}"
 
@@ -89,7 +93,7 @@ def crash_config(tmp_path: Path, conninfo: str, **sections: object) -> tuple[Pat
     return config, warehouse, tmp_path / "jobs.log"
 
 
-def kill_at_random_points(spark, conn, load: Load, warehouse: str, new_job: Callable[[], Job],  # type: ignore[no-untyped-def]
+def kill_at_random_points(conn: psycopg.Connection, load: Load, warehouse: str, new_job: Callable[[], Job],
                           rng: random.Random) -> None:
     """RANDOM_KILLS times: start a job, SIGKILL it at a random moment, check the slot against Delta."""
     for _ in range(RANDOM_KILLS):
@@ -98,7 +102,7 @@ def kill_at_random_points(spark, conn, load: Load, warehouse: str, new_job: Call
         time.sleep(rng.uniform(0, 12))
         job.process.send_signal(signal.SIGKILL)
         assert job.wait(timeout=60) == -signal.SIGKILL
-        _assert_confirmed_is_durable(spark, conn, load, warehouse)
+        _assert_confirmed_is_durable(conn, load, warehouse)
 
 
 @pytest.mark.timeout(2400)
@@ -116,8 +120,8 @@ def test_kill_9_at_stage_boundaries_and_random_points(db18, spark, tmp_path) -> 
                 job = Job(config, log, failpoint=stage)
                 code = job.wait(timeout=300)
                 assert code == -signal.SIGKILL, f"failpoint {stage}: exit {code}\n{log.read_text()[-3000:]}"
-                _assert_confirmed_is_durable(spark, conn, load, warehouse)
-            kill_at_random_points(spark, conn, load, warehouse, lambda: Job(config, log), rng)
+                _assert_confirmed_is_durable(conn, load, warehouse)
+            kill_at_random_points(conn, load, warehouse, lambda: Job(config, log), rng)
         finally:
             load.finish()
         job = Job(config, log)

@@ -45,7 +45,7 @@ def test_kill_9_the_streaming_job_at_random_points(db18, spark, tmp_path) -> Non
         conn.execute("SELECT pg_create_logical_replication_slot('crash', 'pgoutput')")
         load = Load(conninfo, sessions=2, rate_per_session=5, big_every=300).start()
         try:
-            kill_at_random_points(spark, conn, load, warehouse, lambda: Job(config, log, verb=("stream",), ready=READY),
+            kill_at_random_points(conn, load, warehouse, lambda: Job(config, log, verb=("stream",), ready=READY),
                                   random.Random(11))
         finally:
             load.finish()
@@ -57,5 +57,5 @@ def test_kill_9_the_streaming_job_at_random_points(db18, spark, tmp_path) -> Non
             job.process.send_signal(signal.SIGTERM)
         assert job.wait(timeout=300) == 0, log.read_text()[-3000:]
         assert load.committed > 200
-        _assert_confirmed_is_durable(spark, conn, load, warehouse)
+        _assert_confirmed_is_durable(conn, load, warehouse)
         assert "batch " in log.read_text()
