@@ -24,5 +24,9 @@ def test_configured_java_options_follow_cdc_apply_s_and_can_turn_the_archive_off
     assert mine.startswith("-Dlog4j2.configurationFile=") and mine.endswith(" -XX:TieredStopAtLevel=1")
     assert "-XX:SharedArchiveFile=" in mine
     assert LOG4J_CONFIG.is_file(), "the option names cdc_apply's quiet log4j configuration, which must exist"
+    # The JIT setting alone would leave 48 MB for compiled code, which a streaming driver fills.
+    assert "-XX:ReservedCodeCacheSize=240m" in mine
+    assert "ReservedCodeCacheSize=240m" not in driver_java_options("-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=64m")
+    assert "ReservedCodeCacheSize" not in driver_java_options()
     off = driver_java_options("-Xshare:off")
     assert "SharedArchiveFile" not in off and off.endswith("-Xshare:off")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")
 CDS_FLAGS = ("-XX:SharedArchiveFile", "-XX:ArchiveClassesAtExit", "-Xshare")
+CODE_CACHE = "240m"  # the JVM's own default with tiered compilation
 
 
 def _java_home() -> str:
@@ -54,6 +55,11 @@ def driver_java_options(configured: str | None = None) -> str:
     archive = archive_path()
     if archive.exists() and not any(flag in (configured or "") for flag in CDS_FLAGS):
         options += [f"-XX:SharedArchiveFile={archive}", "-Xlog:cds=off", "-Xlog:cds+dynamic=off"]
+    if "-XX:TieredStopAtLevel" in (configured or "") and "-XX:ReservedCodeCacheSize" not in (configured or ""):
+        # Without tiered compilation the JVM reserves 48 MB for compiled code, not 240 MB: a Spark
+        # driver fills that within a minute of streaming, the compiler stops, and the JVM then
+        # dies with "Out of space in CodeCache for method handle intrinsic".
+        options.append(f"-XX:ReservedCodeCacheSize={CODE_CACHE}")
     return " ".join(options + ([configured] if configured else []))
 
 
