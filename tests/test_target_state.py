@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cdc_apply.apply.sessionconf import delta_commit_conf
 from cdc_apply.apply.target_state import TargetStates
-from cdc_apply.apply.targets import Target
+from cdc_apply.apply.targets import Target, _scala_map
 from tests.test_type_roundtrip import captured  # noqa: F401 - the module-scoped capture fixture
 
 
@@ -95,12 +95,7 @@ def test_targets_are_compacted_every_n_commits_and_keep_their_rows(captured, spa
 
 def _rebuilt_writers(target: Target) -> dict[str, int]:
     """Delta's own answer, from the table state rebuilt by Spark jobs."""
-    entries = target._snapshot().transactions().iterator()
-    writers: dict[str, int] = {}
-    while entries.hasNext():
-        entry = entries.next()
-        writers[str(entry._1())] = int(entry._2())
-    return writers
+    return _scala_map(target._snapshot().transactions(), int)
 
 
 def _jobs_run_by(spark, group: str, action) -> tuple[object, int]:  # type: ignore[no-untyped-def]
@@ -147,3 +142,11 @@ def test_writer_versions_and_properties_come_from_the_checksum_without_a_state_r
     target = Target(spark, path, False)
     writers, jobs = _jobs_run_by(spark, "writers-with-retention", target.committed_versions)
     assert writers == {"pipe/1": 8, "other/1": 9} and jobs > 0
+
+    # The table stays readable by both readers, with the same rows.
+    import pyarrow as pa
+    from deltalake import DeltaTable
+
+    by_delta_rs = pa.RecordBatchReader.from_stream(DeltaTable(path).scan(columns=["id", "v"])).read_all()
+    assert sorted(zip(by_delta_rs.column("id").to_pylist(), by_delta_rs.column("v").to_pylist())) == \
+        sorted((row.id, row.v) for row in spark.read.format("delta").load(path).collect())

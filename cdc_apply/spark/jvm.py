@@ -51,16 +51,17 @@ def driver_java_options(configured: str | None = None) -> str:
     """cdc_apply's driver options first, the config's ``spark.driver.extraJavaOptions`` after them
     (for a flag given twice the JVM takes the last). The archive is left out when the config
     manages CDS itself."""
+    given = configured or ""
     options = [f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}"]
     archive = archive_path()
-    if archive.exists() and not any(flag in (configured or "") for flag in CDS_FLAGS):
+    if archive.exists() and not any(flag in given for flag in CDS_FLAGS):
         options += [f"-XX:SharedArchiveFile={archive}", "-Xlog:cds=off", "-Xlog:cds+dynamic=off"]
-    if "-XX:TieredStopAtLevel" in (configured or "") and "-XX:ReservedCodeCacheSize" not in (configured or ""):
+    if "-XX:TieredStopAtLevel" in given and "-XX:ReservedCodeCacheSize" not in given:
         # Without tiered compilation the JVM reserves 48 MB for compiled code, not 240 MB: a Spark
         # driver fills that within a minute of streaming, the compiler stops, and the JVM then
         # dies with "Out of space in CodeCache for method handle intrinsic".
         options.append(f"-XX:ReservedCodeCacheSize={CODE_CACHE}")
-    return " ".join(options + ([configured] if configured else []))
+    return " ".join(options + ([given] if given else []))
 
 
 def build_class_archive() -> Path:
