@@ -150,3 +150,49 @@ def test_writer_versions_and_properties_come_from_the_checksum_without_a_state_r
     by_delta_rs = pa.RecordBatchReader.from_stream(DeltaTable(path).scan(columns=["id", "v"])).read_all()
     assert sorted(zip(by_delta_rs.column("id").to_pylist(), by_delta_rs.column("v").to_pylist())) == \
         sorted((row.id, row.v) for row in spark.read.format("delta").load(path).collect())
+
+
+def _rows(spark, path: str) -> list[tuple[object, ...]]:  # type: ignore[no-untyped-def]
+    import pyarrow as pa
+    from deltalake import DeltaTable
+
+    by_spark = sorted(tuple(row) for row in spark.read.format("delta").load(path).collect())
+    by_delta_rs = pa.RecordBatchReader.from_stream(DeltaTable(path).scan()).read_all()
+    assert sorted(zip(*(by_delta_rs.column(name).to_pylist() for name in by_delta_rs.column_names))) == by_spark
+    return by_spark
+
+
+def test_an_append_at_a_known_version_records_it_without_rebuilding_the_table_state(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``Target.append_known_version``: one commit with the rows and the SetTransaction, no Spark job
+    but the write's own; refused (nothing written) when the log moved or a column does not fit."""
+    path = str(tmp_path / "t")
+    # A column name that needs column mapping: the append writes physical names as Delta's writer does.
+    spark.sql(f"CREATE TABLE delta.`{path}` (id bigint, `a b` string) USING delta "
+              "TBLPROPERTIES ('delta.columnMapping.mode' = 'name')")
+    target = Target(spark, path, False)
+    states = TargetStates()
+    known = states.current(target)
+    frame = spark.createDataFrame([(1, "x"), (2, "y")], "id bigint, `a b` string")
+    spark._jvm.org.apache.spark.sql.delta.DeltaLog.clearCache()  # no table state built before the append
+
+    appended, jobs = _jobs_run_by(spark, "append-known", lambda: target.append_known_version(
+        frame, "pipe/1", 7, '{"m": 1}', known.log_version))
+    assert appended is True
+    assert jobs == 1  # the write; Delta's version check would add 3 "Compute snapshot" jobs
+    assert states.wrote(target, known, "pipe/1", 7, '{"m": 1}') == known.log_version + 1
+    assert _rebuilt_writers(target) == {"pipe/1": 7} == target.committed_versions()
+    assert _rows(spark, path) == [(1, "x"), (2, "y")]
+
+    # The log moved past the version the caller read at: nothing is written.
+    assert target.append_known_version(frame, "pipe/1", 8, "{}", known.log_version) is False
+    # A column the table has not, or of another type: nothing is written.
+    now = target.log_version()
+    wider = spark.createDataFrame([(3, "z", 1)], "id bigint, `a b` string, extra int")
+    other_type = spark.createDataFrame([(3, 4)], "id bigint, `a b` int")
+    assert target.append_known_version(wider, "pipe/1", 8, "{}", now) is False
+    assert target.append_known_version(other_type, "pipe/1", 8, "{}", now) is False
+    assert target.log_version() == now and _rows(spark, path) == [(1, "x"), (2, "y")]
+    # Fewer columns than the table: the others read as null, as with Delta's own append.
+    assert target.append_known_version(spark.createDataFrame([(4,)], "id bigint"), "pipe/1", 9, "{}", now) is True
+    assert _rows(spark, path) == [(1, "x"), (2, "y"), (4, None)]
+    assert target.committed_versions() == {"pipe/1": 9}

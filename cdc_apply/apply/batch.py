@@ -393,7 +393,8 @@ class BatchApplier:
                               user_metadata)
             else:
                 merge_collapsed(plan.target, collapsed, data_types, state.keys, plan.options, commit_app_id, version,
-                                user_metadata, append=append, columnar=batch.columnar)
+                                user_metadata, append=append, columnar=batch.columnar,
+                                unwritten_at=plan.known.log_version if cached else None)
         except ValueDoesNotFitError as exc:
             source = next((name for name, column in state.column_map().items() if column == exc.column), exc.column)
             raise CdcApplyError(f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."

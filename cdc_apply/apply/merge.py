@@ -6,7 +6,9 @@ row's source schema did not have) and the commit LSN and timestamp of the key's 
 
 Exactly once: the MERGE runs with ``spark.databricks.delta.write.txnAppId/txnVersion`` set, so
 Delta refuses to commit a version it already holds, and the caller drops rows at or below the
-version the target already has.
+version the target already has. An append records the same SetTransaction; when the caller has
+just read that the target does not hold the version, it skips Delta's check, which would rebuild
+the table state (``Target.append_known_version``).
 """
 
 from __future__ import annotations
@@ -129,10 +131,13 @@ class ValueDoesNotFitError(CdcApplyError):
 
 def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str],
                     options: TableOptions, app_id: str | None, version: int, user_metadata: str,
-                    append: bool = False, columnar: CollapsedColumns | None = None) -> None:
+                    append: bool = False, columnar: CollapsedColumns | None = None,
+                    unwritten_at: int | None = None) -> None:
     """One Delta commit. ``append``: every row is new to the table (initial snapshot chunks, or a
     batch of new rows only: ``Collapsed.new_rows_only``), so a plain append writes it. ``columnar``:
-    the batch collapsed as columns already (``apply/columnar.py``), in place of ``collapsed``'s states."""
+    the batch collapsed as columns already (``apply/columnar.py``), in place of ``collapsed``'s states.
+    ``unwritten_at``: a log version at which the caller read that ``app_id`` holds a version below
+    ``version``, so an append need not have Delta check it (``Target.append_known_version``)."""
     spark = target.spark
     if columnar is not None:
         source = typed_frame(spark, columnar.columns, data_types)
@@ -147,24 +152,25 @@ def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[st
         source = source_frame(spark, collapsed, data_types)
         kept = frozenset(name for state in collapsed.states.values() if not state.deleted
                          for name in (*state.from_target, *(n for n in data_types if n not in state.values)))
+    if not keys or append:
+        rows = _new_rows(source, options)
+        if collapsed.truncate is None and app_id is not None and unwritten_at is not None \
+                and target.append_known_version(rows, app_id, version, user_metadata, unwritten_at):
+            return
+        with delta_commit_conf(spark, app_id, version, user_metadata):  # Delta checks the version
+            target.write(rows, "append" if collapsed.truncate is None else "overwrite")
+        return
     with delta_commit_conf(spark, app_id, version, user_metadata):
-        if not keys or append:
-            _append(target, source, collapsed, options)
-        else:
-            _merge(target, source, collapsed, data_types, keys, options, kept)
+        _merge(target, source, collapsed, data_types, keys, options, kept)
 
 
-def _append(target: Target, source: DataFrame, collapsed: Collapsed, options: TableOptions) -> None:
-    """New rows (and tables without a key, REPLICA IDENTITY NOTHING: inserts only); a truncate overwrites."""
-    _write_rows(target, source.where(f"{OP} = 'U'").drop(OP, KEEP), options, overwrite=collapsed.truncate is not None)
-
-
-def _write_rows(target: Target, rows: DataFrame, options: TableOptions, overwrite: bool) -> None:
+def _new_rows(source: DataFrame, options: TableOptions) -> DataFrame:
+    """The rows an append writes: new rows (and tables without a key, REPLICA IDENTITY NOTHING:
+    inserts only), in the target's columns; a truncate makes the append an overwrite."""
     from pyspark.sql import functions as F
 
-    if options.delete_mode == "soft":
-        rows = rows.withColumn(DELETED, F.lit(False))
-    target.write(rows, "overwrite" if overwrite else "append")
+    rows = source.where(f"{OP} = 'U'").drop(OP, KEEP)
+    return rows.withColumn(DELETED, F.lit(False)) if options.delete_mode == "soft" else rows
 
 
 def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str]) -> None:

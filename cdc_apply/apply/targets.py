@@ -15,6 +15,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,6 +212,39 @@ class Target:
 
         with delta_commit_conf(self.spark, app_id, version, user_metadata):
             self.write(self.read().limit(0), "append")
+
+    def append_known_version(self, frame: DataFrame, app_id: str, txn_version: int, user_metadata: str,
+                             read_at: int) -> bool:
+        """Append ``frame`` in one commit that records ``app_id`` -> ``txn_version`` (a SetTransaction),
+        without asking Delta whether ``app_id`` holds that version already: the caller read, at log
+        version ``read_at``, that it does not (invariant 13 in docs/architecture.md). Delta's own
+        check (``txnAppId``/``txnVersion``) rebuilds the table state for it, three Spark jobs and most
+        of a small append's time.
+
+        Writes nothing and returns False when the log has moved past ``read_at`` or ``frame`` has a
+        column the table has not, or one of another type: the caller then writes with the commit
+        confs, and Delta checks. A concurrent commit of the same ``app_id`` fails this one, as it
+        would Delta's (the app id is registered as read)."""
+        from pyspark.sql.types import StructType
+
+        jvm = self.spark._jvm  # type: ignore[attr-defined]
+        transaction = self._delta_log().startTransaction()
+        if int(transaction.snapshot().version()) != read_at:
+            return False
+        table_types = {field.name: field.dataType for field in
+                       StructType.fromJson(json.loads(transaction.metadata().schema().json())).fields}
+        if any(table_types.get(field.name) != field.dataType for field in frame.schema.fields):
+            return False
+        transaction.readTxn().addOne(app_id)
+        files = transaction.writeFiles(frame._jdf)
+        now = jvm.java.lang.Long.valueOf(str(int(time.time() * 1000)))
+        record = jvm.org.apache.spark.sql.delta.actions.SetTransaction(app_id, txn_version, jvm.scala.Some(now))
+        none = jvm.scala.Option.empty()
+        operation = getattr(jvm.org.apache.spark.sql.delta, "DeltaOperations$Write")(
+            jvm.org.apache.spark.sql.SaveMode.Append, none, none, jvm.scala.Some(user_metadata), none, none, none,
+            none, none)
+        transaction.commit(files.appended(record), operation)
+        return True
 
     def write(self, frame: DataFrame, mode: str, partition_by: Sequence[str] = (), **options: str) -> None:
         """``frame`` written to this table (``append`` or ``overwrite``), by path or by name."""
