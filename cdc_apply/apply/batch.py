@@ -34,6 +34,7 @@ from cdc_apply.apply.options import ApplyOptions, TableOptions
 from cdc_apply.apply.schema import (
     BackfillTargetColumn, ColumnAdded, RenameTargetColumn, describe, diff, initial_columns, plan, relation_columns,
 )
+from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.target_state import TargetState, TargetStates
 from cdc_apply.apply.targets import SourceState, Target, TargetRegistry, metadata_columns
 from cdc_apply.assemble import Change, Transaction
@@ -385,16 +386,16 @@ class BatchApplier:
         user_metadata = json.dumps(metadata, sort_keys=True)
         commit_app_id = None if plan.snapshot else plan.app_id
         version = plan.versioning.version
+        commit = DataCommit(commit_app_id, version, user_metadata,
+                            unwritten_at=plan.known.log_version if cached else None)
         try:
             if history:
                 if not state.keys:
                     raise TableConfigError(f"{qualified}: SCD type 2 needs a key; set tables.<name>.keys")
-                merge_history(plan.target, batch.collapser, data_types, state.keys, commit_app_id, version,  # type: ignore[arg-type]
-                              user_metadata)
+                merge_history(plan.target, batch.collapser, data_types, state.keys, commit)  # type: ignore[arg-type]
             else:
-                merge_collapsed(plan.target, collapsed, data_types, state.keys, plan.options, commit_app_id, version,
-                                user_metadata, append=append, columnar=batch.columnar,
-                                unwritten_at=plan.known.log_version if cached else None)
+                merge_collapsed(plan.target, collapsed, data_types, state.keys, plan.options, commit, append=append,
+                                columnar=batch.columnar)
         except ValueDoesNotFitError as exc:
             source = next((name for name, column in state.column_map().items() if column == exc.column), exc.column)
             raise CdcApplyError(f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."

@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from cdc_apply.apply.collapse import Collapser, Key, KeyState, TruncateMark
 from cdc_apply.apply.merge import OP, arrow_column, fetch_target_rows, typed_frame
-from cdc_apply.apply.sessionconf import delta_commit_conf
+from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, CURRENT, VALID_FROM, VALID_TO
 from cdc_apply.apply.targets import Target, quote
 
@@ -104,7 +104,7 @@ def _fill_from_target(target: Target, keys: Sequence[str], found: list[Version])
 
 
 def merge_history(target: Target, collapser: HistoryCollapser, data_types: Mapping[str, str],
-                  keys: Sequence[str], app_id: str | None, version: int, user_metadata: str) -> None:
+                  keys: Sequence[str], commit: DataCommit) -> None:
     from pyspark.sql import functions as F
 
     spark = target.spark
@@ -139,5 +139,5 @@ def merge_history(target: Target, collapser: HistoryCollapser, data_types: Mappi
     if truncate is not None:
         merge = merge.whenNotMatchedBySourceUpdate(
             f"t.{CURRENT}", {quote(VALID_TO): F.timestamp_micros(F.lit(truncate.commit_ts)), quote(CURRENT): F.lit(False)})
-    with delta_commit_conf(spark, app_id, version, user_metadata):
+    with commit.checked(spark):
         merge.execute()

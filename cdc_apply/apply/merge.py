@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from cdc_apply.apply.collapse import Collapsed, Key
-from cdc_apply.apply.sessionconf import delta_commit_conf
+from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.columnar import CollapsedColumns
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED, KEEP, OP, TableOptions
 from cdc_apply.apply.targets import Target, quote
@@ -130,21 +130,17 @@ class ValueDoesNotFitError(CdcApplyError):
 
 
 def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str],
-                    options: TableOptions, app_id: str | None, version: int, user_metadata: str,
-                    append: bool = False, columnar: CollapsedColumns | None = None,
-                    unwritten_at: int | None = None) -> None:
+                    options: TableOptions, commit: DataCommit, append: bool = False,
+                    columnar: CollapsedColumns | None = None) -> None:
     """One Delta commit. ``append``: every row is new to the table (initial snapshot chunks, or a
     batch of new rows only: ``Collapsed.new_rows_only``), so a plain append writes it. ``columnar``:
-    the batch collapsed as columns already (``apply/columnar.py``), in place of ``collapsed``'s states.
-    ``unwritten_at``: a log version at which the caller read that ``app_id`` holds a version below
-    ``version``, so an append need not have Delta check it (``Target.append_known_version``)."""
+    the batch collapsed as columns already (``apply/columnar.py``), in place of ``collapsed``'s states."""
     spark = target.spark
     if columnar is not None:
         source = typed_frame(spark, columnar.columns, data_types)
         kept = columnar.kept
     elif collapsed.multiplicity is not None:
-        with delta_commit_conf(spark, app_id, version, user_metadata):
-            _write_multiset(target, collapsed, data_types, keys)
+        _write_multiset(target, collapsed, data_types, keys, commit)
         return
     else:
         if not append:
@@ -153,15 +149,21 @@ def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[st
         kept = frozenset(name for state in collapsed.states.values() if not state.deleted
                          for name in (*state.from_target, *(n for n in data_types if n not in state.values)))
     if not keys or append:
-        rows = _new_rows(source, options)
-        if collapsed.truncate is None and app_id is not None and unwritten_at is not None \
-                and target.append_known_version(rows, app_id, version, user_metadata, unwritten_at):
-            return
-        with delta_commit_conf(spark, app_id, version, user_metadata):  # Delta checks the version
-            target.write(rows, "append" if collapsed.truncate is None else "overwrite")
+        _append(target, commit, _new_rows(source, options), overwrite=collapsed.truncate is not None)
         return
-    with delta_commit_conf(spark, app_id, version, user_metadata):
+    with commit.checked(spark):
         _merge(target, source, collapsed, data_types, keys, options, kept)
+
+
+def _append(target: Target, commit: DataCommit, rows: DataFrame, overwrite: bool = False) -> None:
+    """``rows`` appended (or, for a truncate, written over the table) in ``commit``: without Delta's
+    check of the version when the caller vouches for it (``commit.unwritten_at``), else with it."""
+    if not overwrite and commit.app_id is not None and commit.unwritten_at is not None \
+            and target.append_known_version(rows, commit.app_id, commit.version, commit.user_metadata,
+                                            commit.unwritten_at):
+        return
+    with commit.checked(target.spark):
+        target.write(rows, "overwrite" if overwrite else "append")
 
 
 def _new_rows(source: DataFrame, options: TableOptions) -> DataFrame:
@@ -173,7 +175,8 @@ def _new_rows(source: DataFrame, options: TableOptions) -> DataFrame:
     return rows.withColumn(DELETED, F.lit(False)) if options.delete_mode == "soft" else rows
 
 
-def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str]) -> None:
+def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str],
+                    commit: DataCommit) -> None:
     """Whole-row keys with a count each (``Collapsed.multiplicity``): identical rows stay apart.
 
     Rows added are appended as copies. For a key that loses rows, the target's count of it is read
@@ -194,7 +197,7 @@ def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[st
             if delta < 0:
                 raise CdcApplyError(f"{where}: a row removed after the truncate was never there")
             copies(key, delta)
-        target.write(_entries_frame(target.spark, entries, data_types).drop(OP), "overwrite")
+        _append(target, commit, _entries_frame(target.spark, entries, data_types).drop(OP), overwrite=True)
         return
     removing = [key for key, delta in counts.items() if delta < 0]
     current = _target_counts(target, removing, keys, data_types) if removing else {}
@@ -211,15 +214,16 @@ def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[st
         entries.append((dict(zip(keys, key)), "D", state.commit_lsn, state.commit_ts))
     source = _entries_frame(target.spark, entries, data_types)
     if not removing:
-        target.write(source.drop(OP), "append")
+        _append(target, commit, source.drop(OP))
         return
     from pyspark.sql import functions as F
 
     condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys) + f" AND s.{OP} = 'D'"
     inserts = {quote(name): F.col(f"s.{quote(name)}") for name in data_types}
     inserts |= {quote(COMMIT_LSN): F.col(f"s.{COMMIT_LSN}"), quote(COMMIT_TS): F.col(f"s.{COMMIT_TS}")}
-    (target.delta().alias("t").merge(source.alias("s"), condition)
-     .whenMatchedDelete().whenNotMatchedInsert(f"s.{OP} = 'U'", inserts).execute())
+    with commit.checked(target.spark):
+        (target.delta().alias("t").merge(source.alias("s"), condition)
+         .whenMatchedDelete().whenNotMatchedInsert(f"s.{OP} = 'U'", inserts).execute())
 
 
 def _entries_frame(spark: SparkSession, entries: list[tuple[dict[str, Any], str, int, int]],

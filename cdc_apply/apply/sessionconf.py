@@ -1,9 +1,11 @@
-"""Spark session confs set for exactly one Delta commit: commit info and transaction identifiers."""
+"""One Delta data commit's identity: the session confs set for exactly that commit (commit info and
+transaction identifiers), and ``DataCommit``, which carries them to the writers."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -34,3 +36,20 @@ def delta_commit_conf(spark: SparkSession, app_id: str | None, version: int, use
     if app_id is not None:
         conf |= {TXN_APP_ID: app_id, TXN_VERSION: str(version)}
     return session_conf(spark, conf)
+
+
+@dataclass(frozen=True)
+class DataCommit:
+    """Who makes a table's one data commit of a batch: the writer identity Delta records (None: an
+    initial-snapshot chunk, which records none) and the commit info. ``unwritten_at``: a log version
+    at which the caller read that ``app_id`` holds a version below ``version``, so an append need
+    not have Delta check it (``apply/merge.py``, ``Target.append_known_version``)."""
+
+    app_id: str | None
+    version: int
+    user_metadata: str
+    unwritten_at: int | None = None
+
+    def checked(self, spark: SparkSession) -> AbstractContextManager[None]:
+        """The session confs under which Delta checks the version and records it."""
+        return delta_commit_conf(spark, self.app_id, self.version, self.user_metadata)

@@ -30,6 +30,7 @@ from cdc_apply.apply.columnar import CollapsedColumns, collapsed_columns
 from cdc_apply.apply.merge import merge_collapsed, source_frame, typed_frame
 from cdc_apply.apply.options import KEEP, OP, TableOptions
 from cdc_apply.apply.schema import initial_columns
+from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.targets import SourceState, Target
 from cdc_apply.changerows.columns import python_rows
 from cdc_apply.pgtypes.sparktypes import arrow_type
@@ -143,8 +144,8 @@ def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batc
         print(f"  built in {time.perf_counter() - started:.1f} s", flush=True)
 
         def merge(target: Target, changes: pa.Table, app_id: str, version: int) -> None:
-            merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options, app_id, version, "{}",
-                            columnar=_collapsed(changes))
+            merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options,
+                            DataCommit(app_id, version, "{}"), columnar=_collapsed(changes))
 
         warm = fresh_target("warmup")  # the first MERGE in a JVM pays a large warm-up: not timed
         merge(warm, arrow_changes(generate_changes(1000, 300)), "bench/warmup", 1)
@@ -156,8 +157,8 @@ def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batc
         collapsed = _collapsed(change_table)
         collapse_s = time.perf_counter() - started
         started = time.perf_counter()
-        merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options, "bench/merge", 2, "{}",
-                        columnar=collapsed)
+        merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options,
+                        DataCommit("bench/merge", 2, "{}"), columnar=collapsed)
         merge_s = time.perf_counter() - started
         merge_rss = _peak_rss_mb()
 
@@ -201,8 +202,9 @@ def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batc
             assert batch.new_rows_only
             next_key += insert_batch
             started = time.perf_counter()
-            merge_collapsed(target, batch, dict(COLUMNS), ("id",), options, "bench/new-rows", 100 + version, "{}",
-                            append=append)
+            # As the pipeline does: its own last commit is the log's newest, so an append need not be checked.
+            commit = DataCommit("bench/new-rows", 100 + version, "{}", unwritten_at=target.log_version())
+            merge_collapsed(target, batch, dict(COLUMNS), ("id",), options, commit, append=append)
             timings[append].append(time.perf_counter() - started)
         new_rows_merge, new_rows_append = (statistics.median(timings[mode]) for mode in (False, True))
 
