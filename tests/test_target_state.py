@@ -196,3 +196,29 @@ def test_an_append_at_a_known_version_records_it_without_rebuilding_the_table_st
     assert target.append_known_version(spark.createDataFrame([(4,)], "id bigint"), "pipe/1", 9, "{}", now) is True
     assert _rows(spark, path) == [(1, "x"), (2, "y"), (4, None)]
     assert target.committed_versions() == {"pipe/1": 9}
+
+
+def test_targets_checkpoint_every_50_commits_unless_configured(captured, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """A new target gets ``delta.checkpointInterval = 50`` (Delta's default, 10, makes every tenth small
+    batch pay a checkpoint); ``target.properties`` and the session's Delta defaults still decide."""
+    from cdc_apply.apply.batch import BatchApplier
+    from cdc_apply.apply.options import ApplyOptions, TableOptions
+    from cdc_apply.assemble import Assembler
+
+    columns, _, _, captures, _ = captured
+    two_dimensional = next(name for name, type_name in columns.items() if type_name == "int4[]")
+    first = next(iter(Assembler().transactions(captures[False])))
+
+    def interval(warehouse: str, **options: object) -> str | None:
+        applier = BatchApplier(spark, ApplyOptions(warehouse=warehouse, defaults=TableOptions(
+            columns_exclude=(two_dimensional,)), **options))  # type: ignore[arg-type]
+        applier.apply([first])
+        return Target(spark, f"{warehouse}/public/typed", False).properties().get("delta.checkpointInterval")
+
+    assert interval(str(tmp_path / "default")) == "50"
+    assert interval(str(tmp_path / "configured"), table_properties={"delta.checkpointInterval": "7"}) == "7"
+    spark.conf.set("spark.databricks.delta.properties.defaults.checkpointInterval", "3")
+    try:
+        assert interval(str(tmp_path / "session")) == "3"
+    finally:
+        spark.conf.unset("spark.databricks.delta.properties.defaults.checkpointInterval")
