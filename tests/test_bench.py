@@ -32,7 +32,8 @@ def test_bench_apply_reports_merge_against_append() -> None:
 def test_bench_e2e_reports_lag_and_catch_up_against_delivery() -> None:
     run = _cli("bench", "e2e", "--seconds", "3", "--rate", "10", "--capacity-steps", "1")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert re.search(r"lag p50 [0-9.]+ s, p99 [0-9.]+ s", run.stdout), run.stdout[-3000:]
+    assert re.search(r"lag p50 [0-9.]+ s, p99 [0-9.]+ s \(the first run, in a new JVM: p99 [0-9.]+ s\)",
+                     run.stdout), run.stdout[-3000:]
     assert _ratio(run.stdout, "pipeline catch-up") > 0
     assert re.search(r"capacity step 1: 2 x 10 tx/s -> [0-9,]+ changes/s, lag p99 [0-9.]+ s", run.stdout)
     assert re.search(r"capacity \(p99 <= 10 s\) +[0-9,]+ changes/s +ratio [0-9.]+x", run.stdout), run.stdout[-2000:]
