@@ -168,7 +168,7 @@ def _append(target: Target, commit: DataCommit, rows: DataFrame, overwrite: bool
 
 def _new_rows(source: DataFrame, options: TableOptions) -> DataFrame:
     """The rows an append writes: new rows (and tables without a key, REPLICA IDENTITY NOTHING:
-    inserts only), in the target's columns; a truncate makes the append an overwrite."""
+    inserts only), in the target's columns."""
     from pyspark.sql import functions as F
 
     rows = source.where(f"{OP} = 'U'").drop(OP, KEEP)
