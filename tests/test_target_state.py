@@ -222,3 +222,27 @@ def test_targets_checkpoint_every_50_commits_unless_configured(captured, spark, 
         assert interval(str(tmp_path / "session")) == "3"
     finally:
         spark.conf.unset("spark.databricks.delta.properties.defaults.checkpointInterval")
+
+
+def test_an_append_at_a_known_version_into_partitioned_and_catalog_targets(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``tables.<name>.partition_by`` and ``tables.<name>.name`` targets: the rows land in their
+    partitions and in the catalog's table, as Delta's own append puts them."""
+    path = str(tmp_path / "partitioned")
+    spark.sql(f"CREATE TABLE delta.`{path}` (id bigint, region string) USING delta PARTITIONED BY (region)")
+    partitioned = Target(spark, path, False)
+    frame = spark.createDataFrame([(1, "eu"), (2, "us"), (3, "eu")], "id bigint, region string")
+    assert partitioned.append_known_version(frame, "pipe/1", 4, "{}", partitioned.log_version()) is True
+    assert _rows(spark, path) == [(1, "eu"), (2, "us"), (3, "eu")]
+    assert sorted(p.name for p in (tmp_path / "partitioned").iterdir() if p.name.startswith("region=")) == [
+        "region=eu", "region=us"]
+
+    name = "cdc_apply_known_version_by_name"
+    spark.sql(f"CREATE TABLE {name} (id bigint, v string) USING delta LOCATION '{tmp_path / 'by_name'}'")
+    try:
+        by_name = Target(spark, name, True)
+        rows = spark.createDataFrame([(7, "x")], "id bigint, v string")
+        assert by_name.append_known_version(rows, "pipe/2", 9, "{}", by_name.log_version()) is True
+        assert [tuple(r) for r in spark.table(name).collect()] == [(7, "x")]
+        assert by_name.committed_versions() == {"pipe/2": 9}
+    finally:
+        spark.sql(f"DROP TABLE IF EXISTS {name}")
