@@ -199,8 +199,9 @@ def test_an_append_at_a_known_version_records_it_without_rebuilding_the_table_st
 
 
 def test_targets_checkpoint_every_50_commits_unless_configured(captured, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
-    """A new target gets ``delta.checkpointInterval = 50`` (Delta's default, 10, makes every tenth small
-    batch pay a checkpoint); ``target.properties`` and the session's Delta defaults still decide."""
+    """A new target gets ``delta.checkpointInterval = 50`` from cdc_apply's Spark defaults (Delta's own,
+    10, makes every tenth small batch pay a checkpoint); ``target.properties`` and the session's conf
+    still decide."""
     from cdc_apply.apply.batch import BatchApplier
     from cdc_apply.apply.options import ApplyOptions, TableOptions
     from cdc_apply.assemble import Assembler
@@ -217,11 +218,13 @@ def test_targets_checkpoint_every_50_commits_unless_configured(captured, spark, 
 
     assert interval(str(tmp_path / "default")) == "50"
     assert interval(str(tmp_path / "configured"), table_properties={"delta.checkpointInterval": "7"}) == "7"
-    spark.conf.set("spark.databricks.delta.properties.defaults.checkpointInterval", "3")
+    session_default = "spark.databricks.delta.properties.defaults.checkpointInterval"
+    before = spark.conf.get(session_default)
+    spark.conf.set(session_default, "3")
     try:
         assert interval(str(tmp_path / "session")) == "3"
     finally:
-        spark.conf.unset("spark.databricks.delta.properties.defaults.checkpointInterval")
+        spark.conf.set(session_default, before)
 
 
 def test_an_append_at_a_known_version_into_partitioned_and_catalog_targets(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]

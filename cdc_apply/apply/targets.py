@@ -31,9 +31,6 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 SOURCE_PROPERTY = "cdc_apply.source"
-CHECKPOINT_INTERVAL = "delta.checkpointInterval"
-DEFAULT_CHECKPOINT_INTERVAL = "50"
-SESSION_CHECKPOINT_INTERVAL = "spark.databricks.delta.properties.defaults.checkpointInterval"  # the session's default
 _NEEDS_COLUMN_MAPPING = re.compile(r"[ ,;{}()\n\t=]")
 
 
@@ -270,10 +267,6 @@ class Target:
         # come at the first schema change that needs them (evolve.py), so a new target stays readable
         # by delta-rs and other readers (docs/apply.md, "Readers and table features").
         properties = {**table_properties, **options.properties}
-        if self.spark.conf.get(SESSION_CHECKPOINT_INTERVAL, None) is None:
-            # Delta checkpoints every 10th commit, in the committing thread: with small commits that is
-            # one batch in ten taking twice as long, which is the lag's p99 (docs/live.md, "Speed").
-            properties.setdefault(CHECKPOINT_INTERVAL, DEFAULT_CHECKPOINT_INTERVAL)
         if any(needs_column_mapping(name) for name, _ in columns):
             properties.setdefault("delta.columnMapping.mode", "name")
         properties[SOURCE_PROPERTY] = state.to_json()

@@ -22,6 +22,9 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
     "spark.sql.session.timeZone": "UTC",
     "spark.databricks.delta.properties.defaults.enableDeletionVectors": "true",
+    # Delta checkpoints every 10th commit, in the committing thread: with small commits that is one
+    # batch in ten taking twice as long, which was the lag's p99 (docs/live.md, "Speed").
+    "spark.databricks.delta.properties.defaults.checkpointInterval": "50",
     # Delta rebuilds snapshots with 50 partitions by default: far too many for small batches.
     "spark.databricks.delta.snapshotPartitions": "2",
     "spark.sql.shuffle.partitions": "2",
