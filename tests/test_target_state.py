@@ -214,7 +214,14 @@ def test_targets_checkpoint_every_50_commits_unless_configured(captured, spark, 
         applier = BatchApplier(spark, ApplyOptions(warehouse=warehouse, defaults=TableOptions(
             columns_exclude=(two_dimensional,)), **options))  # type: ignore[arg-type]
         applier.apply([first])
-        return Target(spark, f"{warehouse}/public/typed", False).properties().get("delta.checkpointInterval")
+        path = f"{warehouse}/public/typed"
+        import pyarrow as pa
+        from deltalake import DeltaTable
+
+        by_spark = sorted(row["id"] for row in spark.read.format("delta").load(path).select("id").collect())
+        by_delta_rs = pa.RecordBatchReader.from_stream(DeltaTable(path).scan(columns=["id"])).read_all()
+        assert by_spark and sorted(by_delta_rs.column("id").to_pylist()) == by_spark
+        return Target(spark, path, False).properties().get("delta.checkpointInterval")
 
     assert interval(str(tmp_path / "default")) == "50"
     assert interval(str(tmp_path / "configured"), table_properties={"delta.checkpointInterval": "7"}) == "7"
@@ -246,6 +253,7 @@ def test_an_append_at_a_known_version_into_partitioned_and_catalog_targets(spark
         rows = spark.createDataFrame([(7, "x")], "id bigint, v string")
         assert by_name.append_known_version(rows, "pipe/2", 9, "{}", by_name.log_version()) is True
         assert [tuple(r) for r in spark.table(name).collect()] == [(7, "x")]
+        assert _rows(spark, str(tmp_path / "by_name")) == [(7, "x")]  # by path, Spark and delta-rs
         assert by_name.committed_versions() == {"pipe/2": 9}
     finally:
         spark.sql(f"DROP TABLE IF EXISTS {name}")
