@@ -10,7 +10,9 @@ Invariants (checked by tests/test_assemble*.py):
   ALTER TABLE never reinterprets earlier changes.
 - A change for a relation OID with no earlier Relation message is an error, never skipped.
 - Streamed and prepared transactions buffer at most ``spill_bytes`` of changes in memory; the
-  rest goes to temporary files that are removed when the transaction ends.
+  rest goes to a temporary file. An aborted transaction's file is removed at once; a committed
+  one's travels with it (``SpilledChanges``) and is read back when applied, in pieces where the
+  consumer can take them so, and removed when the transaction is released.
 - Transactional logical messages travel with their transaction; non-transactional ones are
   emitted at once.
 - ``safe_confirm_lsn`` never passes the start of a transaction that is still open or prepared,
@@ -23,10 +25,11 @@ import logging
 import pickle
 import struct
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, overload
 
 from cdc_apply.errors import AssemblyError, DecodeError
 from cdc_apply.lsn import format_lsn
@@ -37,6 +40,7 @@ from cdc_apply.sources.raw import RawMessage
 log = logging.getLogger(__name__)
 
 DEFAULT_SPILL_BYTES = 64 * 1024 * 1024
+SPILL_RECORD_BYTES = 4 * 1024 * 1024  # messages per pickle in a spill file: what a reader unpickles at once
 
 _UINT32 = struct.Struct("!I")
 _ROW_MARKERS = {tag: markers.encode() for tag, markers in ROW_MARKERS.items()}
@@ -86,6 +90,80 @@ class Change:
                           source=self.source)
 
 
+class SpilledChanges(Sequence[Change]):
+    """The changes of a transaction that spilled to disk, all of them in its spill file, read back
+    on demand.
+
+    As a ``Sequence`` it reads them all back the first time it is indexed or iterated, and keeps
+    them: every consumer sees the changes as a list would give them. ``pieces()`` reads them back
+    a piece at a time instead and keeps none, so a consumer that can work piece by piece holds one
+    piece and one spill record (``SPILL_RECORD_BYTES``) at a time (``apply/batch.py``, the append
+    of a large transaction in pieces). ``len()``, ``ops`` and ``relations`` need no read-back: the
+    buffer counted them as the changes arrived (``ops`` and ``relations`` may include those of
+    aborted subtransactions, never miss one).
+    """
+
+    def __init__(self, spill_file: IO[bytes], aborted_subxids: frozenset[int], count: int,
+                 ops: frozenset[str], relations: dict[int, m.Relation]) -> None:
+        self._spill_file = spill_file
+        self._aborted = aborted_subxids
+        self._count = count
+        self._all: list[Change] | None = None
+        self.ops = ops
+        self.relations: tuple[m.Relation, ...] = tuple(relations.values())
+
+    def pieces(self, max_bytes: int) -> Iterator[list[Change]]:
+        """The surviving changes in order, in pieces of at most ``max_bytes`` of messages (at least
+        one change each)."""
+        piece: list[Change] = []
+        size = 0
+        for record in self._records():
+            for change in record:
+                length = _wire_size(change)
+                if piece and size + length > max_bytes:
+                    yield piece
+                    piece, size = [], 0
+                piece.append(change)
+                size += length
+        if piece:
+            yield piece
+
+    def _records(self) -> Iterator[list[Change]]:
+        if self._all is not None:
+            yield self._all
+            return
+        self._spill_file.seek(0)
+        while True:
+            try:
+                record: list[Change] = pickle.load(self._spill_file)
+            except EOFError:
+                return
+            yield [c for c in record if c.subxid not in self._aborted] if self._aborted else record
+
+    def _changes(self) -> list[Change]:
+        if self._all is None:
+            self._all = [change for record in self._records() for change in record]
+            self._spill_file.close()
+        return self._all
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> Change: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Change]: ...
+    def __getitem__(self, index: int | slice) -> Change | list[Change]:
+        return self._changes()[index]
+
+    def __iter__(self) -> Iterator[Change]:
+        return iter(self._changes())
+
+
+def _wire_size(change: Change) -> int:
+    return len(change.wire) if change.wire is not None else 0
+
+
 @dataclass
 class Transaction:
     """A committed transaction, ready to apply."""
@@ -94,7 +172,7 @@ class Transaction:
     commit_lsn: int
     end_lsn: int
     commit_ts: int  # microseconds since the PostgreSQL epoch
-    changes: list[Change]
+    changes: list[Change] | SpilledChanges  # a Sequence either way; see SpilledChanges
     origin: str | None = None
     origin_lsn: int | None = None
     gid: str | None = None
@@ -103,6 +181,12 @@ class Transaction:
     relations: list[m.Relation] = field(default_factory=list)  # Relation messages seen inside it
     types: list[m.Type] = field(default_factory=list)
     spilled_changes: int = 0  # changes that went through the spill file (aborted subtransactions included)
+
+    def relation_oids(self) -> set[int]:
+        """The tables the transaction changed, without reading spilled changes back."""
+        if isinstance(self.changes, SpilledChanges):
+            return {relation.oid for relation in self.changes.relations}
+        return {change.relation.oid for change in self.changes}
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,18 +210,32 @@ class _ChangeBuffer:
         self.spilled_changes = 0
         self.aborted_subxids: set[int] = set()
         self.count = 0
+        # What the changes are, known without reading the spill back (aborted ones included).
+        self.count_by_subxid: Counter[int | None] = Counter()
+        self.ops: set[str] = set()
+        self.relations: dict[int, m.Relation] = {}  # id(relation) -> the definition
 
     def append(self, change: Change, size: int) -> None:
         self.memory.append(change)
         self.count += 1
         self.memory_bytes += size
+        self.count_by_subxid[change.subxid] += 1
+        self.ops.add(change.op)
+        self.relations.setdefault(id(change.relation), change.relation)
         if self.memory_bytes > self.spill_bytes:
             self._spill()
 
     def _spill(self) -> None:
         if self.spill_file is None:
             self.spill_file = tempfile.TemporaryFile(prefix="cdc_apply_spill_", dir=self.spill_dir)
-        pickle.dump(self.memory, self.spill_file, protocol=pickle.HIGHEST_PROTOCOL)
+        start, size = 0, 0
+        for index, change in enumerate(self.memory):  # records small enough to read back one at a time
+            size += _wire_size(change)
+            if size >= SPILL_RECORD_BYTES:
+                pickle.dump(self.memory[start:index + 1], self.spill_file, protocol=pickle.HIGHEST_PROTOCOL)
+                start, size = index + 1, 0
+        if start < len(self.memory):
+            pickle.dump(self.memory[start:], self.spill_file, protocol=pickle.HIGHEST_PROTOCOL)
         self.spilled_changes += len(self.memory)
         self.memory = []
         self.memory_bytes = 0
@@ -150,22 +248,19 @@ class _ChangeBuffer:
         self.aborted_subxids.add(subxid)
         self.memory = [c for c in self.memory if c.subxid != subxid]
 
-    def drain(self) -> list[Change]:
-        """All surviving changes in order; releases the spill file."""
-        survivors: list[Change] = []
-        if self.spill_file is not None:
-            self.spill_file.seek(0)
-            while True:
-                try:
-                    chunk: list[Change] = pickle.load(self.spill_file)
-                except EOFError:
-                    break
-                survivors.extend(c for c in chunk if c.subxid not in self.aborted_subxids)
-            self.spill_file.close()
-            self.spill_file = None
-        survivors.extend(self.memory)
-        self.memory = []
-        return survivors
+    def finish(self) -> list[Change] | SpilledChanges:
+        """The surviving changes in order: a list when none spilled, else a ``SpilledChanges`` that
+        owns the spill file (the changes still in memory spilled too) and reads it back only when asked."""
+        if self.spill_file is None:
+            changes, self.memory = self.memory, []
+            return changes
+        if self.memory:
+            self._spill()
+        aborted = sum(self.count_by_subxid[subxid] for subxid in self.aborted_subxids)
+        changes = SpilledChanges(self.spill_file, frozenset(self.aborted_subxids), self.count - aborted,
+                                 frozenset(self.ops), self.relations)
+        self.spill_file, self.memory = None, []
+        return changes
 
     def discard(self) -> None:
         if self.spill_file is not None:
@@ -189,10 +284,10 @@ class _OpenTransaction:
     prepare_ts: int = 0
 
     def finish(self, commit_lsn: int, end_lsn: int, commit_ts: int) -> Transaction:
-        spilled = self.buffer.spilled_changes
-        return Transaction(self.xid, commit_lsn, end_lsn, commit_ts, self.buffer.drain(), self.origin,
+        changes = self.buffer.finish()
+        return Transaction(self.xid, commit_lsn, end_lsn, commit_ts, changes, self.origin,
                            self.origin_lsn, self.gid, self.kind, self.messages, self.relations, self.types,
-                           spilled)
+                           self.buffer.spilled_changes)
 
 
 class Assembler:
@@ -501,4 +596,4 @@ _HANDLERS = {
 }
 
 
-__all__ = ["Assembler", "Change", "Transaction", "NonTransactionalMessage"]
+__all__ = ["Assembler", "Change", "SpilledChanges", "Transaction", "NonTransactionalMessage"]

@@ -4,7 +4,8 @@ with SIGKILL the N-th time (default 1st) it reaches ``failpoint(name)``.
 Points: ``after_receive`` (frames read, not yet decoded), ``after_decode`` (transactions assembled,
 not yet applied), ``between_tables`` (one table's Delta commit done, the next not started),
 ``before_confirm`` (every target committed, the slot not yet confirmed), ``snapshot_chunk`` (one
-chunk of an initial snapshot copied, the rest not).
+chunk of an initial snapshot copied, the rest not), ``between_pieces`` (a piece of a spilled
+transaction written into files of its target, not committed).
 Unset (the normal case) it costs one dict lookup.
 """
 

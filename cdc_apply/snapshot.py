@@ -142,7 +142,7 @@ class Snapshotter:
 
     def sync_new(self, transactions: Iterable[Transaction]) -> list[TableSnapshot]:
         """Before a batch: copy the tables it touches that have no target yet (added to the publication)."""
-        unknown = {c.relation.oid for t in transactions for c in t.changes} - set(self.applier.registry.entries())
+        unknown = set().union(*(t.relation_oids() for t in transactions)) - set(self.applier.registry.entries())
         return self.sync(unknown) if unknown else []
 
     def _copy(self, snapshot: ExportedSnapshot, table: PublishedTable, estimate: int | None) -> TableSnapshot:

@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -22,22 +23,22 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from cdc_apply.apply.collapse import Collapsed, Collapser, MultisetCollapser
 from cdc_apply.apply.columnar import CollapsedColumns, collapsed_columns, segment_rows
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.history import HistoryCollapser, merge_history
-from cdc_apply.apply.merge import ValueDoesNotFitError, merge_collapsed
+from cdc_apply.apply.merge import ValueDoesNotFitError, merge_collapsed, new_rows, typed_frame
 from cdc_apply.apply.options import ApplyOptions, TableOptions
 from cdc_apply.apply.schema import (
     BackfillTargetColumn, ColumnAdded, RenameTargetColumn, describe, diff, initial_columns, plan, relation_columns,
 )
 from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.target_state import TargetState, TargetStates
-from cdc_apply.apply.targets import SourceState, Target, TargetRegistry, metadata_columns
-from cdc_apply.assemble import Change, Transaction
+from cdc_apply.apply.targets import KnownVersionAppend, SourceState, Target, TargetRegistry, metadata_columns
+from cdc_apply.assemble import Change, SpilledChanges, Transaction
 from cdc_apply.changerows.codec import keep_as_text_hint
 from cdc_apply.changerows.columns import InsertedRows, ParsedImages, ParsedRows
 from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
@@ -72,6 +73,7 @@ class TableResult:
     skipped: bool = False  # already applied (exactly once)
     write: str = ""  # how the data was committed: snapshot, append or merge
     columnar: bool = False  # collapsed as Arrow columns (apply/columnar.py), not row by row
+    pieces: int = 0  # a spilled transaction appended a piece at a time: how many (0: written whole)
     seconds: float = 0.0
 
 
@@ -168,9 +170,42 @@ class BatchApplier:
         ``copy_progress`` goes into the chunk's commit metadata (``"copy"``), so a copy cut short
         resumes after it. ``stream_batch``: (query id, batch id) of a Structured Streaming micro-batch.
         ``parsed``: the change rows as their deliverer parsed them already (the data source's rows of a
-        micro-batch, a snapshot chunk's COPY values; ``ChangeRowBuilder.build``)."""
-        started = time.perf_counter()
+        micro-batch, a snapshot chunk's COPY values; ``ChangeRowBuilder.build``).
+
+        A transaction that spilled to disk (``SpilledChanges``) is applied on its own, a piece at a
+        time where it can be (``_append_in_pieces``), so the driver never holds it whole."""
         transactions = list(transactions)
+        if not snapshot and stream_batch is None and parsed is None \
+                and any(isinstance(t.changes, SpilledChanges) for t in transactions):
+            return self._apply_spilled_apart(transactions)
+        return self._apply_together(transactions, snapshot=snapshot, stream_batch=stream_batch,
+                                    copy_progress=copy_progress, parsed=parsed)
+
+    def _apply_spilled_apart(self, transactions: list[Transaction]) -> BatchResult:
+        """The batch applied in parts: each spilled transaction alone, the runs of others between
+        them together. Each part is versioned by its own last commit LSN, as consecutive batches
+        are, so a crash between parts repeats nothing (invariant 6)."""
+        started = time.perf_counter()
+        tables: list[TableResult] = []
+        together: list[Transaction] = []
+        for txn in [*transactions, None]:
+            if txn is not None and not isinstance(txn.changes, SpilledChanges):
+                together.append(txn)
+                continue
+            if together:
+                tables += self._apply_together(together).tables
+                together = []
+            if txn is not None:
+                tables += (self._append_in_pieces(txn) or self._apply_together([txn])).tables
+        return BatchResult(len(transactions), transactions[0].commit_lsn, transactions[-1].commit_lsn, tables,
+                           time.perf_counter() - started)
+
+    def _apply_together(self, transactions: list[Transaction], *, snapshot: bool = False,
+                        stream_batch: tuple[str, int] | None = None,
+                        copy_progress: Mapping[str, object] | None = None,
+                        parsed: ParsedRows | None = None) -> BatchResult:
+        """The transactions as one batch: per table, one data commit (``apply``)."""
+        started = time.perf_counter()
         if not transactions:
             return BatchResult(0, None, None, [], 0.0)
         if stream_batch is None:
@@ -370,20 +405,7 @@ class BatchApplier:
         append = plan.snapshot or (batch.appendable and converged and not history and batch.new_rows_only)
         # A table without a key is insert-only: merge_collapsed appends it whatever ``append`` says.
         write = "snapshot" if plan.snapshot else "append" if append or not state.keys else "merge"
-        metadata = {"cdc_apply": write, "pipeline": self.options.pipeline, "relation_oid": plan.oid,
-                    "source": qualified, "first_lsn": format_lsn(collapsed.first_lsn or 0),
-                    "last_lsn": format_lsn(collapsed.last_lsn or 0), "ops": dict(collapsed.op_counts)}
-        result.side_columns = {source: column for source, column in state.column_map().items()
-                               if column is not None and column != source}
-        if result.side_columns:
-            metadata["side_columns"] = result.side_columns
-        if plan.snapshot and plan.versioning.copy_progress is not None:
-            metadata["copy"] = dict(plan.versioning.copy_progress)
-        if collapsed.truncate is not None:
-            metadata["truncate"] = {"lsn": format_lsn(collapsed.truncate.commit_lsn),
-                                    "cascade": bool(collapsed.truncate.options & m.TRUNCATE_CASCADE),
-                                    "restart_identity": bool(collapsed.truncate.options & m.TRUNCATE_RESTART_IDENTITY)}
-        user_metadata = json.dumps(metadata, sort_keys=True)
+        user_metadata = self._commit_info(plan, state, collapsed, write, result)
         commit_app_id = None if plan.snapshot else plan.app_id
         version = plan.versioning.version
         commit = DataCommit(commit_app_id, version, user_metadata,
@@ -401,16 +423,140 @@ class BatchApplier:
             raise CdcApplyError(f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."
                                 f"{format_lsn(collapsed.last_lsn or 0)}): {exc}"
                                 f"{keep_as_text_hint(qualified, source)}") from None
-        log_version = (self.target_states.wrote(plan.target, plan.known, commit_app_id, version, user_metadata)
-                       if cached else None)
-        if log_version is None:  # created or evolved on the way, or another commit came between: read again
-            self.target_states.forget(plan.target)
-        else:
-            self._compact_now_and_then(plan.target, plan.known.log_version, log_version)
+        self._committed(plan, commit if cached else None)
         result.ops = collapsed.op_counts
         result.keys_written = batch.columnar.keys_written if batch.columnar else len(collapsed.states)
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn
         result.write, result.columnar = write, batch.columnar is not None
+
+    def _commit_info(self, plan: TablePlan, state: SourceState, collapsed: Collapsed, write: str,
+                     result: TableResult) -> str:
+        """The data commit's ``userMetadata``: how and what it wrote (docs/apply.md); also notes the
+        side columns in ``result``."""
+        metadata = {"cdc_apply": write, "pipeline": self.options.pipeline, "relation_oid": plan.oid,
+                    "source": plan.qualified, "first_lsn": format_lsn(collapsed.first_lsn or 0),
+                    "last_lsn": format_lsn(collapsed.last_lsn or 0), "ops": dict(collapsed.op_counts)}
+        result.side_columns = {source: column for source, column in state.column_map().items()
+                               if column is not None and column != source}
+        if result.side_columns:
+            metadata["side_columns"] = result.side_columns
+        if plan.snapshot and plan.versioning.copy_progress is not None:
+            metadata["copy"] = dict(plan.versioning.copy_progress)
+        if collapsed.truncate is not None:
+            metadata["truncate"] = {"lsn": format_lsn(collapsed.truncate.commit_lsn),
+                                    "cascade": bool(collapsed.truncate.options & m.TRUNCATE_CASCADE),
+                                    "restart_identity": bool(collapsed.truncate.options & m.TRUNCATE_RESTART_IDENTITY)}
+        return json.dumps(metadata, sort_keys=True)
+
+    def _committed(self, plan: TablePlan, commit: DataCommit | None) -> None:
+        """After the data commit: the target's cached state moves on by ``commit`` (None: created or
+        evolved on the way, so the cached types no longer hold), or is dropped to be read again."""
+        log_version = (None if commit is None else
+                       self.target_states.wrote(plan.target, plan.known, commit.app_id, commit.version,
+                                                commit.user_metadata))
+        if log_version is None:  # created or evolved on the way, or another commit came between: read again
+            self.target_states.forget(plan.target)
+        else:
+            self._compact_now_and_then(plan.target, plan.known.log_version, log_version)
+
+    def _append_in_pieces(self, txn: Transaction) -> BatchResult | None:
+        """A spilled transaction of inserts only, appended to each target one spill chunk at a time,
+        and committed once per table (``KnownVersionAppend``): the driver holds one piece of it, not
+        all of it. None, with nothing committed, when a table needs the whole path: a schema change
+        in the transaction, a MERGE (no unique key, another writer, a resumed copy not yet caught up),
+        a new target, SCD type 2, a whole-row key, or values the columnar conversion does not take."""
+        changes = txn.changes
+        assert isinstance(changes, SpilledChanges)
+        if changes.ops != {"I"} or len({r.oid for r in changes.relations}) != len(set(changes.relations)):
+            return None
+        started = time.perf_counter()
+        versioning = Versioning(self.options.pipeline, txn.commit_lsn, by_lsn=True)
+        tables: dict[int, _PiecewiseAppend] = {}
+        results: list[TableResult] = []
+        for relation in changes.relations:
+            plan = self._plan(relation.oid, relation, versioning, False, None)
+            if plan is None:
+                continue
+            result = TableResult(plan.qualified, plan.target.location)
+            results.append(result)
+            if plan.done:
+                result.skipped = True
+                continue
+            table = self._piecewise_append(plan, txn.commit_lsn)
+            if table is None:
+                return None
+            tables[relation.oid] = _PiecewiseAppend(plan, result, table)
+        for piece in changes.pieces(self.options.piece_bytes):
+            for segment in self.rows.build([replace(txn, changes=piece)]):
+                table = tables.get(segment.relation.oid)
+                if table is not None and not self._append_piece(table, segment):
+                    log.info("%s: transaction at LSN %s takes the whole path (a value the columnar conversion "
+                             "does not take); the pieces written are not committed", table.plan.qualified,
+                             format_lsn(txn.commit_lsn))
+                    return None
+        for index, table in enumerate(tables.values()):
+            if index:
+                failpoint("between_tables")
+            self._commit_pieces(table, started)
+        return BatchResult(1, txn.commit_lsn, txn.commit_lsn, results, time.perf_counter() - started)
+
+    def _piecewise_append(self, plan: TablePlan, commit_lsn: int) -> KnownVersionAppend | None:
+        """The open append of ``plan``'s target for a transaction of inserts only, or None when the
+        target needs the whole path (``_append_in_pieces``)."""
+        state, relation, options = plan.known.source, plan.relation, plan.options
+        if state is None or not plan.registered or options.scd_type != 1 or _whole_row_key(relation, options):
+            return None
+        if diff(state.columns, self._columns(relation, options)) \
+                or self._later_keys(state, relation, options) != state.keys:
+            return None
+        if state.keys and not (plan.appendable and _unique_key(relation, state.column_map(), state.keys, options)):
+            return None
+        if commit_lsn <= state.merge_until:
+            return None
+        return plan.target.open_known_version_append(plan.app_id, plan.known.log_version)
+
+    def _append_piece(self, table: _PiecewiseAppend, segment: TableChanges) -> bool:
+        """One piece's rows of one table written into files of its open append (not yet committed)."""
+        plan, state = table.plan, table.plan.known.source
+        assert state is not None
+        rows = segment_rows(segment)
+        columns = None if rows is None else collapsed_columns(rows, plan.lsn_done, state.column_map(), state.keys,
+                                                              plan.known.data_types)
+        if columns is None or not columns.new_rows_only:
+            return False
+        frame = new_rows(typed_frame(plan.target.spark, columns.columns, plan.known.data_types), plan.options)
+        # Arrow batches become partitions: without this a piece would be written as many small files.
+        frame = frame.coalesce(plan.target.spark.sparkContext.defaultParallelism)
+        written = table.append.write(frame)
+        # PySpark's DataFrames sit in reference cycles, so the JVM lets go of a piece's rows (its
+        # plan holds them) only when Python's cycle collector runs: without this, the pieces of
+        # a 1 GB transaction piled up in a 4 GB driver heap until it ran out.
+        del frame
+        gc.collect()
+        if not written:
+            return False
+        table.ops.update(columns.op_counts)
+        table.keys_written += columns.keys_written
+        table.first_lsn = columns.first_lsn if table.first_lsn is None else table.first_lsn
+        table.last_lsn = columns.last_lsn
+        table.pieces += 1
+        failpoint("between_pieces")
+        return True
+
+    def _commit_pieces(self, table: _PiecewiseAppend, started: float) -> None:
+        plan, result = table.plan, table.result
+        assert plan.known.source is not None
+        collapsed = Collapsed(plan.known.source.keys, op_counts=table.ops, first_lsn=table.first_lsn,
+                              last_lsn=table.last_lsn)
+        user_metadata = self._commit_info(plan, plan.known.source, collapsed, "append", result)
+        table.append.commit(plan.versioning.version, user_metadata)
+        self._committed(plan, DataCommit(plan.app_id, plan.versioning.version, user_metadata))
+        result.ops, result.keys_written = table.ops, table.keys_written
+        result.first_lsn, result.last_lsn = table.first_lsn, table.last_lsn
+        result.write, result.columnar, result.pieces = "append", True, table.pieces
+        result.seconds = time.perf_counter() - started
+        log.info("%s: %s in %.1f s (append in %d pieces, columnar)", plan.qualified, dict(result.ops),
+                 result.seconds, table.pieces)
 
     def _compact_now_and_then(self, target: Target, before: int, after: int) -> None:
         """OPTIMIZE a target each time its log version passes a multiple of ``optimize_every_commits``,
@@ -562,6 +708,20 @@ class BatchApplier:
         apply_actions(target, [*decided.actions, *backfills], new_state, format_lsn(position[0]))
         result.schema_changes += [describe(e) for e in events]
         return new_state, renamed
+
+
+@dataclass
+class _PiecewiseAppend:
+    """One table's append of a spilled transaction, written a piece at a time (``_append_in_pieces``)."""
+
+    plan: TablePlan
+    result: TableResult
+    append: KnownVersionAppend
+    ops: Counter[str] = field(default_factory=Counter)
+    keys_written: int = 0
+    first_lsn: int | None = None
+    last_lsn: int | None = None
+    pieces: int = 0
 
 
 def _whole_row_key(relation: m.Relation, options: TableOptions) -> bool:

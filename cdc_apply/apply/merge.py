@@ -149,7 +149,7 @@ def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[st
         kept = frozenset(name for state in collapsed.states.values() if not state.deleted
                          for name in (*state.from_target, *(n for n in data_types if n not in state.values)))
     if not keys or append:
-        _append(target, commit, _new_rows(source, options), overwrite=collapsed.truncate is not None)
+        _append(target, commit, new_rows(source, options), overwrite=collapsed.truncate is not None)
         return
     with commit.checked(spark):
         _merge(target, source, collapsed, data_types, keys, options, kept)
@@ -166,7 +166,7 @@ def _append(target: Target, commit: DataCommit, rows: DataFrame, overwrite: bool
         target.write(rows, "overwrite" if overwrite else "append")
 
 
-def _new_rows(source: DataFrame, options: TableOptions) -> DataFrame:
+def new_rows(source: DataFrame, options: TableOptions) -> DataFrame:
     """The rows an append writes: new rows (and tables without a key, REPLICA IDENTITY NOTHING:
     inserts only), in the target's columns."""
     from pyspark.sql import functions as F

@@ -83,6 +83,9 @@ class TableOptions:
         return self.columns_include is None or column in self.columns_include
 
 
+MAX_PIECE_BYTES = 16 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class ApplyOptions:
     """``tables`` maps ``schema.table`` patterns (fnmatch, first match wins) to their options."""
@@ -96,6 +99,9 @@ class ApplyOptions:
     path_template: str = "{schema}/{table}"  # under the warehouse
     name_template: str | None = None  # a catalog table name instead of a path, e.g. "lake.{schema}_{table}"
     optimize_every_commits: int = 0  # compact a target's small files when its log version crosses a multiple
+    # A spilled transaction is appended in pieces of at most this many bytes of messages: the driver
+    # holds one piece's change rows at a time, about 4x its size (docs/live.md, "Memory").
+    piece_bytes: int = MAX_PIECE_BYTES
 
     def default_target(self, schema: str, table: str) -> tuple[str, bool]:
         """(location, by_name) of a table's target when its options name none.
@@ -143,4 +149,5 @@ def apply_options(config: Config) -> ApplyOptions:
                         path_template=config.target.path_template, name_template=config.target.name_template,
                         tables={pattern: table_options(table) for pattern, table in config.tables.items()},
                         defaults=table_options(config.defaults), table_properties=dict(config.target.properties),
-                        optimize_every_commits=config.target.optimize_every_commits)
+                        optimize_every_commits=config.target.optimize_every_commits,
+                        piece_bytes=min(MAX_PIECE_BYTES, config.batching.spill_bytes))

@@ -216,35 +216,23 @@ class Target:
     def append_known_version(self, frame: DataFrame, app_id: str, txn_version: int, user_metadata: str,
                              read_at: int) -> bool:
         """Append ``frame`` in one commit that records ``app_id`` -> ``txn_version`` (a SetTransaction),
-        without asking Delta whether ``app_id`` holds that version already: the caller read, at log
-        version ``read_at``, that it does not (invariant 13 in docs/architecture.md). Delta's own
-        check (``txnAppId``/``txnVersion``) rebuilds the table state for it, three Spark jobs and most
-        of a small append's time.
+        without asking Delta whether ``app_id`` holds that version already (``KnownVersionAppend``).
+        Writes nothing and returns False when the log has moved past ``read_at`` or ``frame`` does
+        not fit the table: the caller then writes with the commit confs, and Delta checks."""
+        append = self.open_known_version_append(app_id, read_at)
+        if append is None or not append.write(frame):
+            return False
+        append.commit(txn_version, user_metadata)
+        return True
 
-        Writes nothing and returns False when the log has moved past ``read_at`` or ``frame`` has a
-        column the table has not, or one of another type: the caller then writes with the commit
-        confs, and Delta checks. A concurrent commit of the same ``app_id`` fails this one, as it
-        would Delta's (the app id is registered as read)."""
-        from pyspark.sql.types import StructType
-
-        jvm = self.spark._jvm  # type: ignore[attr-defined]
+    def open_known_version_append(self, app_id: str, read_at: int) -> KnownVersionAppend | None:
+        """A Delta transaction for an append of ``app_id``'s next version, opened at log version
+        ``read_at``; None when the log has moved past it."""
         transaction = self._delta_log().startTransaction()
         if int(transaction.snapshot().version()) != read_at:
-            return False
-        table_types = {field.name: field.dataType for field in
-                       StructType.fromJson(json.loads(transaction.metadata().schema().json())).fields}
-        if any(table_types.get(field.name) != field.dataType for field in frame.schema.fields):
-            return False
+            return None
         transaction.readTxn().addOne(app_id)
-        files = transaction.writeFiles(frame._jdf)
-        now = jvm.java.lang.Long.valueOf(str(int(time.time() * 1000)))
-        record = jvm.org.apache.spark.sql.delta.actions.SetTransaction(app_id, txn_version, jvm.scala.Some(now))
-        none = jvm.scala.Option.empty()
-        operation = getattr(jvm.org.apache.spark.sql.delta, "DeltaOperations$Write")(
-            jvm.org.apache.spark.sql.SaveMode.Append, none, none, jvm.scala.Some(user_metadata), none, none, none,
-            none, none)
-        transaction.commit(files.appended(record), operation)
-        return True
+        return KnownVersionAppend(self.spark, transaction, app_id)
 
     def write(self, frame: DataFrame, mode: str, partition_by: Sequence[str] = (), **options: str) -> None:
         """``frame`` written to this table (``append`` or ``overwrite``), by path or by name."""
@@ -310,3 +298,62 @@ class TargetRegistry:
 
     def entries(self) -> dict[int, dict[str, Any]]:
         return {int(oid): entry for oid, entry in self._entries.items()}
+
+
+_WRITE_METRICS = ("numFiles", "numOutputRows", "numOutputBytes")  # a WRITE commit's operation metrics
+
+
+class KnownVersionAppend:
+    """One append commit that records ``app_id`` -> a version (a SetTransaction) without asking Delta
+    whether ``app_id`` holds that version already: the caller read, at the log version the
+    transaction was opened at, that it does not (invariant 13 in docs/architecture.md). Delta's own
+    check (``txnAppId``/``txnVersion``) rebuilds the table state for it, three Spark jobs and most
+    of a small append's time.
+
+    Frames are written (``write``) one after another, each into files no reader sees yet, and
+    ``commit`` makes them all visible in one Delta commit: a large transaction's rows are written a
+    piece at a time, and stay one commit. The commit fails if another commit came in between that
+    conflicts, as Delta's own would (the app id is registered as read). Files written but never
+    committed are not part of the table (VACUUM removes them)."""
+
+    def __init__(self, spark: SparkSession, transaction: Any, app_id: str) -> None:
+        from pyspark.sql.types import StructType
+
+        self.spark = spark
+        self.app_id = app_id
+        self._transaction = transaction
+        self._table_types = {field.name: field.dataType for field in
+                             StructType.fromJson(json.loads(transaction.metadata().schema().json())).fields}
+        self._files: Any = None  # the AddFile actions written so far (a Scala Seq)
+
+    def write(self, frame: DataFrame) -> bool:
+        """Write ``frame``'s rows into new files of the table; False (nothing written) when it has a
+        column the table has not, or one of another type."""
+        if any(self._table_types.get(field.name) != field.dataType for field in frame.schema.fields):
+            return False
+        before = {name: self._metric(name) for name in _WRITE_METRICS}
+        files = self._transaction.writeFiles(frame._jdf)
+        self._files = files if self._files is None else self._files.appendedAll(files)
+        # Each write registers new metrics for the commit info, which replace the last write's:
+        # carry the totals so far into them, so the commit says what all the writes wrote.
+        for name, earlier in before.items():
+            metric = self._metric(name)
+            if earlier is not None and metric is not None and metric.id() != earlier.id():
+                metric.add(earlier.value())
+        return True
+
+    def _metric(self, name: str) -> Any:
+        metric = self._transaction.getMetric(name)
+        return metric.get() if metric.isDefined() else None
+
+    def commit(self, txn_version: int, user_metadata: str) -> None:
+        jvm = self.spark._jvm  # type: ignore[attr-defined]
+        now = jvm.java.lang.Long.valueOf(str(int(time.time() * 1000)))
+        record = jvm.org.apache.spark.sql.delta.actions.SetTransaction(self.app_id, txn_version, jvm.scala.Some(now))
+        none = jvm.scala.Option.empty()
+        operation = getattr(jvm.org.apache.spark.sql.delta, "DeltaOperations$Write")(
+            jvm.org.apache.spark.sql.SaveMode.Append, none, none, jvm.scala.Some(user_metadata), none, none, none,
+            none, none)
+        actions = (jvm.scala.jdk.javaapi.CollectionConverters.asScala(jvm.java.util.ArrayList()).toSeq()
+                   if self._files is None else self._files)
+        self._transaction.commit(actions.appended(record), operation)
