@@ -460,8 +460,8 @@ class BatchApplier:
             self._compact_now_and_then(plan.target, plan.known.log_version, log_version)
 
     def _append_in_pieces(self, txn: Transaction) -> BatchResult | None:
-        """A spilled transaction of inserts only, appended to each target one spill chunk at a time,
-        and committed once per table (``KnownVersionAppend``): the driver holds one piece of it, not
+        """A spilled transaction of inserts only, appended to each target a piece at a time (at most
+        ``ApplyOptions.piece_bytes`` of messages), and committed once per table (``KnownVersionAppend``): the driver holds one piece of it, not
         all of it. None, with nothing committed, when a table needs the whole path: a schema change
         in the transaction, a MERGE (no unique key, another writer, a resumed copy not yet caught up),
         a new target, SCD type 2, a whole-row key, or values the columnar conversion does not take."""
@@ -490,9 +490,9 @@ class BatchApplier:
             for segment in self.rows.build([replace(txn, changes=piece)]):
                 table = tables.get(segment.relation.oid)
                 if table is not None and not self._append_piece(table, segment):
-                    log.info("%s: transaction at LSN %s takes the whole path (a value the columnar conversion "
-                             "does not take); the pieces written are not committed", table.plan.qualified,
-                             format_lsn(txn.commit_lsn))
+                    log.info("%s: transaction at LSN %s takes the whole path (rows the columnar conversion or "
+                             "the target's columns do not take); the pieces written are not committed",
+                             table.plan.qualified, format_lsn(txn.commit_lsn))
                     return None
         for index, table in enumerate(tables.values()):
             if index:
