@@ -486,7 +486,14 @@ class BatchApplier:
             if table is None:
                 return None
             tables[relation.oid] = _PiecewiseAppend(plan, result, table)
-        for piece in changes.pieces(self.options.piece_bytes):
+        # py4j's Java objects sit in reference cycles, so the JVM lets go of a piece's rows (the plans
+        # of its DataFrames hold them) only when Python's cycle collector runs: without a full
+        # collection now and then, the pieces of a 1 GB transaction piled up in a 4 GB driver heap
+        # until it ran out. One costs about 0.1 s, so it runs every 64 MiB of pieces, not each one.
+        collect_every = max(1, 64 * 1024 * 1024 // self.options.piece_bytes)
+        for number, piece in enumerate(changes.pieces(self.options.piece_bytes), 1):
+            if number % collect_every == 0:
+                gc.collect()
             for segment in self.rows.build([replace(txn, changes=piece)]):
                 table = tables.get(segment.relation.oid)
                 if table is not None and not self._append_piece(table, segment):
@@ -527,13 +534,7 @@ class BatchApplier:
         frame = new_rows(typed_frame(plan.target.spark, columns.columns, plan.known.data_types), plan.options)
         # Arrow batches become partitions: without this a piece would be written as many small files.
         frame = frame.coalesce(plan.target.spark.sparkContext.defaultParallelism)
-        written = table.append.write(frame)
-        # PySpark's DataFrames sit in reference cycles, so the JVM lets go of a piece's rows (its
-        # plan holds them) only when Python's cycle collector runs: without this, the pieces of
-        # a 1 GB transaction piled up in a 4 GB driver heap until it ran out.
-        del frame
-        gc.collect()
-        if not written:
+        if not table.append.write(frame):
             return False
         table.ops.update(columns.op_counts)
         table.keys_written += columns.keys_written

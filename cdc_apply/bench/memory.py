@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -79,8 +80,10 @@ def bench_memory(megabytes: float = 1024.0) -> dict[str, float]:
             job.send_signal(signal.SIGTERM)
             job.wait(timeout=300)
             log.close()
+    # The applier's log line says how: "public.big: {'I': N} in S s (append in P pieces, columnar)"
+    how = re.search(r"public\.big: \{[^}]*\} in [0-9.]+ s \(([^)]*)\)", (folder / "follow.log").read_text())
     print(f"bench memory ({megabytes:g} MB in one streamed transaction through run --follow)")
-    print(f"  applied in {seconds:.1f} s")
+    print(f"  applied in {seconds:.1f} s ({how[1] if how else 'how: not logged'})")
     print(f"  peak RSS: Python driver {peak:,.0f} MB (before the transaction {baseline:,.0f} MB; goal < 500 MB), "
           f"JVM {jvm_peak:,.0f} MB")
     return {"peak_rss_mb": peak, "baseline_rss_mb": baseline, "jvm_peak_rss_mb": jvm_peak, "seconds": seconds}
