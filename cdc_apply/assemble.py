@@ -183,7 +183,8 @@ class Transaction:
     spilled_changes: int = 0  # changes that went through the spill file (aborted subtransactions included)
 
     def relation_oids(self) -> set[int]:
-        """The tables the transaction changed, without reading spilled changes back."""
+        """The tables the transaction changed, without reading spilled changes back (for a spilled
+        one, also a table only a rolled-back subtransaction changed)."""
         if isinstance(self.changes, SpilledChanges):
             return {relation.oid for relation in self.changes.relations}
         return {change.relation.oid for change in self.changes}
