@@ -461,10 +461,11 @@ class BatchApplier:
 
     def _append_in_pieces(self, txn: Transaction) -> BatchResult | None:
         """A spilled transaction of inserts only, appended to each target a piece at a time (at most
-        ``ApplyOptions.piece_bytes`` of messages), and committed once per table (``KnownVersionAppend``): the driver holds one piece of it, not
-        all of it. None, with nothing committed, when a table needs the whole path: a schema change
-        in the transaction, a MERGE (no unique key, another writer, a resumed copy not yet caught up),
-        a new target, SCD type 2, a whole-row key, or values the columnar conversion does not take."""
+        ``ApplyOptions.piece_bytes`` of messages) and committed once per table (``KnownVersionAppend``):
+        the driver holds one piece of it, not all of it. None, with nothing committed, when a table
+        needs the whole path: a schema change in the transaction, a MERGE (no unique key, another
+        writer, a resumed copy not yet caught up), a new target, SCD type 2, a whole-row key, or
+        values the columnar conversion does not take."""
         changes = txn.changes
         assert isinstance(changes, SpilledChanges)
         if changes.ops != {"I"} or len({r.oid for r in changes.relations}) != len(set(changes.relations)):
