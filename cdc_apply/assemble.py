@@ -115,18 +115,7 @@ class SpilledChanges(Sequence[Change]):
     def pieces(self, max_bytes: int) -> Iterator[list[Change]]:
         """The surviving changes in order, in pieces of at most ``max_bytes`` of messages (at least
         one change each)."""
-        piece: list[Change] = []
-        size = 0
-        for record in self._records():
-            for change in record:
-                length = _wire_size(change)
-                if piece and size + length > max_bytes:
-                    yield piece
-                    piece, size = [], 0
-                piece.append(change)
-                size += length
-        if piece:
-            yield piece
+        return _pieces((change for record in self._records() for change in record), max_bytes)
 
     def _records(self) -> Iterator[list[Change]]:
         if self._all is not None:
@@ -160,8 +149,19 @@ class SpilledChanges(Sequence[Change]):
         return iter(self._changes())
 
 
-def _wire_size(change: Change) -> int:
-    return len(change.wire) if change.wire is not None else 0
+def _pieces(changes: Iterable[Change], max_bytes: int) -> Iterator[list[Change]]:
+    """``changes`` in order, in lists of at most ``max_bytes`` of messages (at least one change each)."""
+    piece: list[Change] = []
+    size = 0
+    for change in changes:
+        length = len(change.wire) if change.wire is not None else 0
+        if piece and size + length > max_bytes:
+            yield piece
+            piece, size = [], 0
+        piece.append(change)
+        size += length
+    if piece:
+        yield piece
 
 
 @dataclass
@@ -211,8 +211,9 @@ class _ChangeBuffer:
         self.spilled_changes = 0
         self.aborted_subxids: set[int] = set()
         self.count = 0
-        # What the changes are, known without reading the spill back (aborted ones included).
-        self.count_by_subxid: Counter[int | None] = Counter()
+        # What the spilled changes are, known without reading them back (aborted ones included);
+        # counted as they spill, so the per-change path of a transaction that never spills pays nothing.
+        self.spilled_by_subxid: Counter[int | None] = Counter()
         self.ops: set[str] = set()
         self.relations: dict[int, m.Relation] = {}  # id(relation) -> the definition
 
@@ -220,23 +221,17 @@ class _ChangeBuffer:
         self.memory.append(change)
         self.count += 1
         self.memory_bytes += size
-        self.count_by_subxid[change.subxid] += 1
-        self.ops.add(change.op)
-        self.relations.setdefault(id(change.relation), change.relation)
         if self.memory_bytes > self.spill_bytes:
             self._spill()
 
     def _spill(self) -> None:
         if self.spill_file is None:
             self.spill_file = tempfile.TemporaryFile(prefix="cdc_apply_spill_", dir=self.spill_dir)
-        start, size = 0, 0
-        for index, change in enumerate(self.memory):  # records small enough to read back one at a time
-            size += _wire_size(change)
-            if size >= SPILL_RECORD_BYTES:
-                pickle.dump(self.memory[start:index + 1], self.spill_file, protocol=pickle.HIGHEST_PROTOCOL)
-                start, size = index + 1, 0
-        if start < len(self.memory):
-            pickle.dump(self.memory[start:], self.spill_file, protocol=pickle.HIGHEST_PROTOCOL)
+        for record in _pieces(self.memory, SPILL_RECORD_BYTES):  # records small enough to read back one at a time
+            pickle.dump(record, self.spill_file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.spilled_by_subxid.update(change.subxid for change in self.memory)
+        self.ops.update(change.op for change in self.memory)
+        self.relations.update((id(change.relation), change.relation) for change in self.memory)
         self.spilled_changes += len(self.memory)
         self.memory = []
         self.memory_bytes = 0
@@ -257,8 +252,8 @@ class _ChangeBuffer:
             return changes
         if self.memory:
             self._spill()
-        aborted = sum(self.count_by_subxid[subxid] for subxid in self.aborted_subxids)
-        changes = SpilledChanges(self.spill_file, frozenset(self.aborted_subxids), self.count - aborted,
+        aborted = sum(self.spilled_by_subxid[subxid] for subxid in self.aborted_subxids)
+        changes = SpilledChanges(self.spill_file, frozenset(self.aborted_subxids), self.spilled_changes - aborted,
                                  frozenset(self.ops), self.relations)
         self.spill_file, self.memory = None, []
         return changes

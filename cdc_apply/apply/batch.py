@@ -336,7 +336,7 @@ class BatchApplier:
             if columnar is not None:  # no Python values on the way
                 collapsed = Collapsed(state.keys, op_counts=columnar.op_counts, first_lsn=columnar.first_lsn,
                                       last_lsn=columnar.last_lsn)
-                appendable = plan.appendable and _unique_key(plan.relation, state.column_map(), state.keys, plan.options)
+                appendable = _appends_new_rows(plan, state)
                 return CollapsedBatch(state, collapsed, None, columnar, columnar.new_rows_only, appendable)
         collapser: Collapser | None = None
         backfills: list[BackfillTargetColumn] = []
@@ -511,13 +511,10 @@ class BatchApplier:
     def _piecewise_append(self, plan: TablePlan, commit_lsn: int) -> KnownVersionAppend | None:
         """The open append of ``plan``'s target for a transaction of inserts only, or None when the
         target needs the whole path (``_append_in_pieces``)."""
-        state, relation, options = plan.known.source, plan.relation, plan.options
-        if state is None or not plan.registered or options.scd_type != 1 or _whole_row_key(relation, options):
+        state = plan.known.source
+        if state is None or not plan.registered or not self._keyed_as_is(state, plan.relation, plan.options):
             return None
-        if diff(state.columns, self._columns(relation, options)) \
-                or self._later_keys(state, relation, options) != state.keys:
-            return None
-        if state.keys and not (plan.appendable and _unique_key(relation, state.column_map(), state.keys, options)):
+        if state.keys and not _appends_new_rows(plan, state):
             return None
         if commit_lsn <= state.merge_until:
             return None
@@ -537,28 +534,27 @@ class BatchApplier:
         frame = frame.coalesce(plan.target.spark.sparkContext.defaultParallelism)
         if not table.append.write(frame):
             return False
-        table.ops.update(columns.op_counts)
-        table.keys_written += columns.keys_written
-        table.first_lsn = columns.first_lsn if table.first_lsn is None else table.first_lsn
-        table.last_lsn = columns.last_lsn
-        table.pieces += 1
+        result = table.result
+        result.ops.update(columns.op_counts)
+        result.keys_written += columns.keys_written
+        result.first_lsn = columns.first_lsn if result.first_lsn is None else result.first_lsn
+        result.last_lsn = columns.last_lsn
+        result.pieces += 1
         failpoint("between_pieces")
         return True
 
     def _commit_pieces(self, table: _PiecewiseAppend, started: float) -> None:
         plan, result = table.plan, table.result
         assert plan.known.source is not None
-        collapsed = Collapsed(plan.known.source.keys, op_counts=table.ops, first_lsn=table.first_lsn,
-                              last_lsn=table.last_lsn)
+        collapsed = Collapsed(plan.known.source.keys, op_counts=result.ops, first_lsn=result.first_lsn,
+                              last_lsn=result.last_lsn)
         user_metadata = self._commit_info(plan, plan.known.source, collapsed, "append", result)
         table.append.commit(plan.versioning.version, user_metadata)
         self._committed(plan, DataCommit(plan.app_id, plan.versioning.version, user_metadata))
-        result.ops, result.keys_written = table.ops, table.keys_written
-        result.first_lsn, result.last_lsn = table.first_lsn, table.last_lsn
-        result.write, result.columnar, result.pieces = "append", True, table.pieces
+        result.write, result.columnar = "append", True
         result.seconds = time.perf_counter() - started
         log.info("%s: %s in %.1f s (append in %d pieces, columnar)", plan.qualified, dict(result.ops),
-                 result.seconds, table.pieces)
+                 result.seconds, result.pieces)
 
     def _compact_now_and_then(self, target: Target, before: int, after: int) -> None:
         """OPTIMIZE a target each time its log version passes a multiple of ``optimize_every_commits``,
@@ -584,14 +580,17 @@ class BatchApplier:
         """The segment collapsed as Arrow columns (``apply/columnar.py``), when it brings no schema
         change and the table is applied one row per key (SCD type 1, not a whole-row key); None
         when the row-by-row collapse must take it."""
-        relation = segment.relation
-        if options.scd_type != 1 or _whole_row_key(relation, options):
+        if not self._keyed_as_is(state, segment.relation, options):
             return None
-        if diff(state.columns, self._columns(relation, options)) \
-                or self._later_keys(state, relation, options) != state.keys:
-            return None  # a schema change: the collapse path evolves the target first
         rows = segment_rows(segment)
         return None if rows is None else collapsed_columns(rows, lsn_done, state.column_map(), state.keys, data_types)
+
+    def _keyed_as_is(self, state: SourceState, relation: m.Relation, options: TableOptions) -> bool:
+        """One row per key (SCD type 1, not a whole-row key) and no schema change against ``state``
+        (else the collapse path evolves the target first)."""
+        return options.scd_type == 1 and not _whole_row_key(relation, options) \
+            and not diff(state.columns, self._columns(relation, options)) \
+            and self._later_keys(state, relation, options) == state.keys
 
     def _columns(self, relation: m.Relation, options: TableOptions) -> list[tuple[str, str]]:
         return [(name, spark_type) for name, spark_type in relation_columns(relation, self.rows.types)
@@ -714,16 +713,12 @@ class BatchApplier:
 
 @dataclass
 class _PiecewiseAppend:
-    """One table's append of a spilled transaction, written a piece at a time (``_append_in_pieces``)."""
+    """One table's append of a spilled transaction, written a piece at a time (``_append_in_pieces``);
+    ``result`` counts what the pieces wrote."""
 
     plan: TablePlan
     result: TableResult
     append: KnownVersionAppend
-    ops: Counter[str] = field(default_factory=Counter)
-    keys_written: int = 0
-    first_lsn: int | None = None
-    last_lsn: int | None = None
-    pieces: int = 0
 
 
 def _whole_row_key(relation: m.Relation, options: TableOptions) -> bool:
@@ -731,6 +726,11 @@ def _whole_row_key(relation: m.Relation, options: TableOptions) -> bool:
     SCD type 1; soft deletes and history keep one row per distinct value, docs/apply.md)."""
     return relation.replica_identity == "f" and not options.keys and options.delete_mode == "hard" \
         and options.scd_type == 1
+
+
+def _appends_new_rows(plan: TablePlan, state: SourceState) -> bool:
+    """New rows of the batch may be appended to the target as ``state`` keys it (see ``_plan``)."""
+    return plan.appendable and _unique_key(plan.relation, state.column_map(), state.keys, plan.options)
 
 
 def _unique_key(relation: m.Relation, column_map: dict[str, str | None], keys: tuple[str, ...],
