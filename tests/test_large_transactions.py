@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 import psycopg
+import pyarrow as pa
 import pytest
+from deltalake import DeltaTable
 
 from cdc_apply.apply.options import ApplyOptions, apply_options
 from cdc_apply.assemble import Assembler, SpilledChanges
@@ -135,6 +137,8 @@ def test_a_crash_between_pieces_leaves_no_part_of_the_transaction(workload, spar
     big = str(warehouse / "public" / "big")
     # The first transactions are committed; of the pieced one nothing is visible, though files were written.
     assert sorted(r.id for r in spark.read.format("delta").load(big).collect()) == [0]
+    by_delta_rs = pa.RecordBatchReader.from_stream(DeltaTable(big).scan(columns=["id"])).read_all()
+    assert by_delta_rs.column("id").to_pylist() == [0]  # the second reader sees no piece either
     written = {p.name for p in Path(big).glob("*.parquet")}
     in_table = {Path(f).name for f in spark.read.format("delta").load(big).inputFiles()}
     assert written - in_table, "the pieces before the crash wrote files that no commit names"
