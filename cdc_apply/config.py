@@ -128,6 +128,9 @@ class TableConfig(_Strict):
     delete_mode: Literal["hard", "soft"] = "hard"
     scd_type: Literal[1, 2] = 1
     schema_policy: Literal["evolve", "lenient", "ignore", "fail"] = "lenient"
+    # A widening column (smallint -> int, decimal up, ...): "rewrite" casts the column in one overwrite
+    # commit, readable by every reader; "feature" uses Delta's typeWidening (no rewrite; Spark only).
+    type_widening: Literal["rewrite", "feature"] = "rewrite"
     partition_by: list[str] = []
     properties: dict[str, str] = {}
     name: str | None = None  # catalog.schema.table instead of a path under the warehouse

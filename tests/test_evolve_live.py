@@ -8,7 +8,7 @@ import psycopg
 import pytest
 
 from cdc_apply.pipeline import drain
-from tests.delta_oracle import delta_rows, source_types
+from tests.delta_oracle import delta_rows, reader_features, source_types
 from tests.once_config import once_config
 from tests.reference_apply import postgres_rows
 
@@ -44,6 +44,8 @@ def test_evolve_follows_every_schema_change(any_db, spark, tmp_path) -> None:  #
         conn.execute("ALTER TABLE items ALTER COLUMN qty TYPE int")  # a widening
         conn.execute("UPDATE items SET qty = 100000 WHERE id = 5")
         check(conn, "public.items", ["id", "code", "title", "qty"])
+        # type_widening: rewrite (the default): the column is cast in an overwrite, so delta-rs still reads it
+        assert "typeWidening" not in reader_features(target)
 
         conn.execute("ALTER TABLE items SET SCHEMA archive")
         conn.execute("UPDATE archive.items SET title = 'moved' WHERE id = 6")
@@ -51,3 +53,22 @@ def test_evolve_follows_every_schema_change(any_db, spark, tmp_path) -> None:  #
         conn.execute("DELETE FROM archive.things WHERE id = 7")
         conn.execute("INSERT INTO archive.things VALUES (14, 42, 'last', 14)")
         check(conn, "archive.things", ["id", "code", "title", "qty"])
+
+
+@pytest.mark.spark
+def test_type_widening_feature_widens_in_place(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``type_widening: feature``: Delta's typeWidening instead of a rewrite; Spark reads the widened values."""
+    server, dbname = db18
+    warehouse = str(tmp_path / "wh")
+    config = once_config(server, dbname, warehouse, "wid", defaults={"type_widening": "feature"})
+    target = f"{warehouse}/public/w"
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute("CREATE TABLE w (id int PRIMARY KEY, qty smallint)")
+        conn.execute("INSERT INTO w SELECT g, g FROM generate_series(1, 5) g")
+        drain(config, spark)
+        conn.execute("ALTER TABLE w ALTER COLUMN qty TYPE bigint")
+        conn.execute("UPDATE w SET qty = 10000000000 WHERE id = 2")
+        drain(config, spark)
+        assert "typeWidening" in reader_features(target)
+        assert delta_rows(spark, target, ["id", "qty"], source_types(conn, "public.w")) == \
+            postgres_rows(conn, "public.w", ["id", "qty"])

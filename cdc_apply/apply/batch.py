@@ -692,7 +692,7 @@ class BatchApplier:
         where = f"{segment.qualified_name} at LSN {format_lsn(position[0])}"
         data_types = target.data_types()
         decided = plan(events, state.columns, current, data_types, options.schema_policy, where,
-                       retyped_by_config=frozenset(options.column_types))
+                       retyped_by_config=frozenset(options.column_types), type_widening=options.type_widening)
         targets = {col.name: col.target for col in decided.columns}
         renamed_keys = {a.old for a in decided.actions if isinstance(a, RenameTargetColumn)}
         missing_keys = [k for k in state.keys if k not in targets.values() and k not in renamed_keys]

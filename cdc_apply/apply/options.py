@@ -69,6 +69,7 @@ class TableOptions:
     delete_mode: DeleteMode = "hard"
     scd_type: Literal[1, 2] = 1
     schema_policy: SchemaPolicy = "lenient"
+    type_widening: Literal["rewrite", "feature"] = "rewrite"
     include: bool = True
     columns_include: tuple[str, ...] | None = None
     columns_exclude: tuple[str, ...] = ()
@@ -135,7 +136,7 @@ def table_options(table: TableConfig) -> TableOptions:
     """A config's per-table section as the apply's options."""
     return TableOptions(
         keys=tuple(table.keys) if table.keys else None, delete_mode=table.delete_mode, scd_type=table.scd_type,
-        schema_policy=table.schema_policy, include=table.include,
+        schema_policy=table.schema_policy, type_widening=table.type_widening, include=table.include,
         columns_include=tuple(table.columns_include) if table.columns_include is not None else None,
         columns_exclude=tuple(table.columns_exclude), partition_by=tuple(table.partition_by),
         properties=dict(table.properties), name=table.name,

@@ -194,12 +194,14 @@ class Plan:
 
 def plan(events: Sequence[SchemaEvent], previous: Sequence[SourceColumn], current: Sequence[tuple[str, str]],
          target_types: dict[str, str], policy: str, where: str,
-         retyped_by_config: frozenset[str] = frozenset()) -> Plan:
+         retyped_by_config: frozenset[str] = frozenset(), type_widening: str = "rewrite") -> Plan:
     """Decide the target actions for ``events`` under ``policy``.
 
     ``target_types`` is the target's current data columns (name -> Spark type); ``where`` names the
     table and LSN for errors. A type change of a column in ``retyped_by_config`` (the config maps it
     to ``string``) rewrites the target column in place under every policy: the user asked for it.
+    A widening, under every policy, rewrites the column (``type_widening: rewrite``, which every
+    reader can read) or uses Delta's type widening feature (``feature``, no rewrite).
     """
     targets = {col.name: col.target for col in previous}
     actions: list[TargetAction] = []
@@ -222,7 +224,8 @@ def plan(events: Sequence[SchemaEvent], previous: Sequence[SourceColumn], curren
             if target is None:
                 continue
             if event.widening:
-                actions.append(WidenTargetColumn(target, event.new_type))
+                widen = WidenTargetColumn if type_widening == "feature" else RetypeTargetColumn
+                actions.append(widen(target, event.new_type))
             elif event.column in retyped_by_config:
                 actions.append(RetypeTargetColumn(target, event.new_type))
             elif policy == "fail":
