@@ -50,7 +50,8 @@ class SourceConfig(_Strict):
     password_env: str | None = None
     password_file: str | None = None
     slot: str = Field("cdc_apply", pattern=r"^[a-z0-9_]+$")  # PostgreSQL's rule for replication slot names
-    publication: str = "cdc_apply"
+    # One publication or several, as CREATE SUBSCRIPTION ... PUBLICATION a, b takes them.
+    publication: str | list[str] = "cdc_apply"
     create_slot: bool = True
     create_publication: bool = False
     publication_tables: list[str] | None = None  # for create_publication; None means FOR ALL TABLES
@@ -73,8 +74,24 @@ class SourceConfig(_Strict):
 
     @field_validator("publication")
     @classmethod
-    def _publication_length(cls, value: str) -> str:
-        return _identifier_length(value, "a publication name")
+    def _publication_length(cls, value: str | list[str]) -> str | list[str]:
+        names = [value] if isinstance(value, str) else value
+        if not names:
+            raise ValueError("name at least one publication")
+        if len(set(names)) != len(names):
+            raise ValueError("a publication is named twice")
+        for name in names:
+            _identifier_length(name, "a publication name")
+        return value
+
+    @property
+    def publications(self) -> tuple[str, ...]:
+        """The publication names, in the config's order."""
+        return (self.publication,) if isinstance(self.publication, str) else tuple(self.publication)
+
+    def describe_publications(self) -> str:
+        """How messages name the publications: ``'a'`` or ``'a', 'b'``."""
+        return ", ".join(repr(name) for name in self.publications)
 
     @model_validator(mode="after")
     def _one_password_source(self) -> SourceConfig:

@@ -34,11 +34,11 @@ def published_oids(config: Config, tables: Sequence[str] | None) -> list[int]:
     source and creates the slot first when it is missing (after an invalidated one was dropped)."""
     prepare_source(config)
     with psycopg.connect(config.source.conninfo(), autocommit=True) as conn:
-        published = {name: oid for oid, name in (publication_tables(conn, config.source.publication) or {}).items()}
+        published = {name: oid for oid, name in (publication_tables(conn, config.source.publications) or {}).items()}
     names = list(published) if tables is None else list(dict.fromkeys(tables))
     unknown = [name for name in names if name not in published]
     if unknown:
-        raise ConfigError(f"--table: {', '.join(unknown)} not in publication {config.source.publication!r} "
+        raise ConfigError(f"--table: {', '.join(unknown)} not in publication(s) {config.source.describe_publications()} "
                           f"(it has: {', '.join(sorted(published)) or 'no tables'})")
     return [published[name] for name in names]
 

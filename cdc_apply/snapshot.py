@@ -115,7 +115,7 @@ class Snapshotter:
         wanted = set(only_oids) if only_oids is not None else None
         conninfo = self.config.source.conninfo()
         with psycopg.connect(conninfo, autocommit=True) as conn:
-            tables = [t for t in published_tables(conn, self.config.source.publication)
+            tables = [t for t in published_tables(conn, self.config.source.publications)
                       if (wanted is None or t.relation.oid in wanted) and self.needs_copy(t)]
             estimates = {oid: int(n) for oid, n in conn.execute(
                 "SELECT oid, greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = ANY(%s)",
@@ -123,7 +123,7 @@ class Snapshotter:
         if not tables:
             return []
         with ExportedSnapshot(conninfo) as snapshot:
-            in_snapshot = {t.relation.oid: t for t in snapshot.published_tables(self.config.source.publication)}
+            in_snapshot = {t.relation.oid: t for t in snapshot.published_tables(self.config.source.publications)}
             tables = [in_snapshot[t.relation.oid] for t in tables if t.relation.oid in in_snapshot]
             log.info("initial snapshot of %d table(s) at consistent point %s", len(tables),
                      format_lsn(snapshot.consistent_lsn))

@@ -24,14 +24,15 @@ from cdc_apply.apply.targets import TargetRegistry
 from cdc_apply.config import Config
 from cdc_apply.lsn import format_lsn
 from cdc_apply.snapshot import ResyncMarks
-from cdc_apply.sources.health import publication_tables, read_slot_health
+from cdc_apply.sources.health import missing_publications, publication_tables, read_slot_health
 
 
 def pipeline_status(config: Config) -> dict[str, Any]:
     source = config.source
     with psycopg.connect(source.conninfo(), autocommit=True, connect_timeout=10) as conn:
         health = read_slot_health(conn, source.slot)
-        published = publication_tables(conn, source.publication)
+        published = publication_tables(conn, source.publications)
+        missing = missing_publications(conn, source.publications)
     registry = TargetRegistry(config.target.warehouse).entries()
     marks = ResyncMarks(config.target.warehouse, config.pipeline)
     tables = []
@@ -47,7 +48,8 @@ def pipeline_status(config: Config) -> dict[str, Any]:
                     row["applied_at"] = datetime.fromtimestamp(writer.last_updated_ms / 1000, timezone.utc).isoformat()
         tables.append(row)
     return {"pipeline": config.pipeline, "slot": health.as_dict(),
-            "publication": {"name": source.publication, "exists": published is not None}, "tables": tables}
+            "publication": {"names": list(source.publications), "exists": published is not None, "missing": missing},
+            "tables": tables}
 
 
 def scrape(host: str, port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -125,7 +125,7 @@ def test_capture_status_and_run_verbs(db18, tmp_path) -> None:  # type: ignore[n
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["messages"] == 8 and manifest["options"]["publication_names"] == '"shop pub"'
     before = json.loads(_cli("status", "--config", str(config)).stdout)
-    assert before["slot"]["unconfirmed_bytes"] > 0 and before["publication"] == {"name": "shop pub", "exists": True}
+    assert before["slot"]["unconfirmed_bytes"] > 0 and before["publication"] == {"names": ["shop pub"], "exists": True, "missing": []}
     run = _cli("run", "--config", str(config), "--once")
     assert run.returncode == 0, run.stderr
     assert "public.orders" in run.stdout and "I        2 U        0 D        1" in run.stdout

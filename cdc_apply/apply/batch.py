@@ -140,6 +140,7 @@ class MissingValue(Protocol):
     known: bool  # the catalog still holds the value (not a volatile default, no rewrite since)
     text: str | None  # its text form; None for NULL
     has_default: bool
+    generated: bool  # a stored generated column, published from now on
 
 
 MissingValueLookup = Callable[[int, str], MissingValue]  # (relation OID, column) -> the value
@@ -627,6 +628,11 @@ class BatchApplier:
             if missing.known and missing.text is not None:
                 value = self.rows.types.get(column.type_oid).from_text(missing.text, column.typmod)
                 backfills.append(BackfillTargetColumn(targets[event.column], event.spark_type, value, lsn))  # type: ignore[arg-type]
+            elif missing.generated:
+                log.warning("%s.%s: generated column %s is published from now on (publish_generated_columns or a "
+                            "column list); rows not changed since keep NULL in the target. To fill them: "
+                            "`cdc-apply resync --table %s.%s`", relation.namespace, relation.name, event.column,
+                            relation.namespace, relation.name)
             elif not missing.known and missing.has_default:
                 log.warning("%s.%s: column %s was added with a default the catalog does not keep (volatile, or the "
                             "table was rewritten since); rows that existed before keep NULL in the target. Delete "

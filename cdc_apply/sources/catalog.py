@@ -18,6 +18,7 @@ class MissingValue:
     known: bool
     text: str | None
     has_default: bool
+    generated: bool = False  # a stored generated column (PostgreSQL 18 publishes it on request)
 
 
 class SourceCatalog:
@@ -27,9 +28,10 @@ class SourceCatalog:
     def missing_value(self, relation_oid: int, column: str) -> MissingValue:
         with psycopg.connect(self.conninfo, autocommit=True) as conn:
             row = conn.execute(
-                "SELECT atthasmissing, (SELECT v FROM unnest(attmissingval::text::text[]) v), atthasdef "
+                "SELECT atthasmissing, (SELECT v FROM unnest(attmissingval::text::text[]) v), atthasdef, "
+                "attgenerated <> '' "
                 "FROM pg_attribute WHERE attrelid = %s AND attname = %s AND NOT attisdropped",
                 (relation_oid, column)).fetchone()
         if row is None:
             return MissingValue(False, None, False)
-        return MissingValue(bool(row[0]), row[1], bool(row[2]))
+        return MissingValue(bool(row[0]), row[1], bool(row[2]), bool(row[3]))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -66,15 +67,23 @@ def read_slot_health(conn: psycopg.Connection, slot: str) -> SlotHealth:
     return SlotHealth(slot, True, current, *row)
 
 
-def publication_tables(conn: psycopg.Connection, publication: str) -> dict[int, str] | None:
-    """relation OID -> schema.table of every table the publication sends; None when it does not exist."""
-    if not conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone():
+def missing_publications(conn: psycopg.Connection, publications: Sequence[str]) -> list[str]:
+    """The names among ``publications`` that the database has no publication of."""
+    found = {row[0] for row in conn.execute("SELECT pubname FROM pg_publication WHERE pubname = ANY(%s)",
+                                            (list(publications),)).fetchall()}
+    return [name for name in publications if name not in found]
+
+
+def publication_tables(conn: psycopg.Connection, publications: Sequence[str]) -> dict[int, str] | None:
+    """relation OID -> schema.table of every table the publications send (a table in several counts
+    once); None when one of them does not exist."""
+    if missing_publications(conn, publications):
         return None
     return {oid: f"{schema}.{table}" for oid, schema, table in conn.execute(
-        "SELECT c.oid, p.schemaname, p.tablename FROM pg_publication_tables p "
+        "SELECT DISTINCT c.oid, p.schemaname, p.tablename FROM pg_publication_tables p "
         "JOIN pg_namespace n ON n.nspname = p.schemaname "
-        "JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename WHERE p.pubname = %s",
-        (publication,)).fetchall()}
+        "JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename WHERE p.pubname = ANY(%s)",
+        (list(publications),)).fetchall()}
 
 
 def _invalidated(health: SlotHealth, source: SourceConfig) -> str:
@@ -124,18 +133,19 @@ class HealthMonitor:
             raise SlotUnusable(f"replication slot {source.slot!r} is in use by another process (PID "
                                f"{health.active_pid}): another cdc-apply or subscriber reads it. Stop that one, or "
                                "give this pipeline its own source.slot")
-        tables = publication_tables(conn, source.publication)
+        tables = publication_tables(conn, source.publications)
         if tables is None:
-            raise SlotUnusable(f"publication {source.publication!r} no longer exists: no change can be decoded. "
-                               f"Recover: CREATE PUBLICATION {source.publication} ... again (or set "
+            gone = missing_publications(conn, source.publications)
+            raise SlotUnusable(f"publication {gone[0]!r} no longer exists: no change can be decoded. "
+                               f"Recover: CREATE PUBLICATION {gone[0]} ... again (or set "
                                "source.create_publication: true), then `cdc-apply resync --config <file> --all`, "
                                "since changes made without it were not sent")
         if self.tables is not None:
             for oid in sorted(self.tables.keys() - tables.keys()):
-                log.warning("table %s left publication %s: its target no longer receives changes. To follow it "
+                log.warning("table %s left publication(s) %s: its target no longer receives changes. To follow it "
                             "again: ALTER PUBLICATION %s ADD TABLE %s, then `cdc-apply resync --table %s`",
-                            self.tables[oid], source.publication, source.publication, self.tables[oid],
-                            self.tables[oid])
+                            self.tables[oid], source.describe_publications(), source.publications[0],
+                            self.tables[oid], self.tables[oid])
         self.tables = tables
         self._check_retained(health)
         return health

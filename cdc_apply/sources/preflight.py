@@ -14,6 +14,7 @@ from psycopg import sql
 
 from cdc_apply.config import SourceConfig
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.sources.health import missing_publications
 from cdc_apply.sources.slot import PgOutputOptions, create_slot
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def protocol_options(source: SourceConfig, version_num: int) -> PgOutputOptions:
     streaming = source.streaming
     if streaming is None:
         streaming = "parallel" if proto >= 4 else "on" if proto >= 2 else None
-    return PgOutputOptions((source.publication,), proto, binary=source.binary, messages=source.messages,
+    return PgOutputOptions(source.publications, proto, binary=source.binary, messages=source.messages,
                            streaming=streaming, two_phase=source.two_phase, origin=source.origin)
 
 
@@ -46,17 +47,17 @@ def check_source(conn: psycopg.Connection, source: SourceConfig,
                         "wal_level = logical (ALTER SYSTEM SET wal_level = logical, then restart)")
     if int(settings.get("max_replication_slots", 0)) < 1:
         problems.append("max_replication_slots is 0; set it to at least 1")
-    exists = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (source.publication,)).fetchone()
-    if not exists and not source.create_publication:
-        problems.append(f"publication {source.publication!r} does not exist; create it or set "
-                        "source.create_publication: true")
-    if exists:
+    missing = missing_publications(conn, source.publications)
+    if missing and not source.create_publication:
+        problems += [f"publication {name!r} does not exist; create it or set source.create_publication: true"
+                     for name in missing]
+    if not missing:
         for schema, table, identity, has_key in conn.execute(
-                "SELECT n.nspname, c.relname, c.relreplident, "
+                "SELECT DISTINCT n.nspname, c.relname, c.relreplident, "
                 "EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND (i.indisprimary OR i.indisreplident)) "
                 "FROM pg_publication_tables p JOIN pg_namespace n ON n.nspname = p.schemaname "
-                "JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename WHERE p.pubname = %s",
-                (source.publication,)).fetchall():
+                "JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename WHERE p.pubname = ANY(%s)",
+                (list(source.publications),)).fetchall():
             if identity == "d" and not has_key and not has_configured_keys(schema, table):
                 # Not a problem: PostgreSQL refuses UPDATE and DELETE on it while it is published.
                 log.info("table %s.%s has REPLICA IDENTITY DEFAULT and no primary key: it is applied insert-only "
@@ -68,15 +69,13 @@ def check_source(conn: psycopg.Connection, source: SourceConfig,
 
 def ensure_publication_and_slot(conn: psycopg.Connection, source: SourceConfig) -> bool:
     """Creates what the config asks for; returns True when the slot was created now."""
-    if source.create_publication and not conn.execute(
-            "SELECT 1 FROM pg_publication WHERE pubname = %s", (source.publication,)).fetchone():
+    for publication in missing_publications(conn, source.publications) if source.create_publication else ():
         if source.publication_tables:
             tables = sql.SQL(", ").join(sql.Identifier(*name.split(".", 1)) for name in source.publication_tables)
-            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
-                sql.Identifier(source.publication), tables))
+            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(publication), tables))
         else:
-            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(sql.Identifier(source.publication)))
-        log.info("created publication %s", source.publication)
+            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(sql.Identifier(publication)))
+        log.info("created publication %s", publication)
     row = conn.execute("SELECT plugin, two_phase FROM pg_replication_slots WHERE slot_name = %s",
                        (source.slot,)).fetchone()
     if row is None:

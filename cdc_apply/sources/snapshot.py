@@ -117,12 +117,12 @@ class ExportedSnapshot:
                 if count:
                     yield parse_copy_text(bytes(chunk), columns, where)
 
-    def published_tables(self, publication: str) -> list[PublishedTable]:
-        """The publication's tables as the snapshot sees them. Creating the export waits for running
+    def published_tables(self, publications: Sequence[str]) -> list[PublishedTable]:
+        """The publications' tables as the snapshot sees them. Creating the export waits for running
         transactions, so a column added meanwhile is in the snapshot's rows: the copy must select it,
         or the ADD COLUMN's Relation later looks new and its default overwrites the copied values."""
-        with self._inside(f"the publication {publication} was described") as conn:
-            return published_tables(conn, publication)
+        with self._inside(f"the publication(s) {', '.join(publications)} were described") as conn:
+            return published_tables(conn, publications)
 
     @contextmanager
     def _inside(self, before: str) -> Iterator[psycopg.Connection]:
@@ -141,11 +141,11 @@ class ExportedSnapshot:
 
 
 _TABLES_QUERY = """
-SELECT c.oid, n.nspname, c.relname, c.relreplident, p.attnames::text[], {rowfilter}, c.relkind = 'p'
+SELECT c.oid, n.nspname, c.relname, c.relreplident, p.attnames::text[], {rowfilter}, c.relkind = 'p', p.pubname
 FROM pg_publication_tables p
 JOIN pg_namespace n ON n.nspname = p.schemaname
 JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename
-WHERE p.pubname = %s ORDER BY n.nspname, c.relname
+WHERE p.pubname = ANY(%s) ORDER BY n.nspname, c.relname, p.pubname
 """
 
 _COLUMNS_QUERY = """
@@ -156,23 +156,39 @@ SELECT a.attname, a.atttypid, a.atttypmod,
          WHEN 'i' THEN a.attnum = ANY (SELECT unnest(i.indkey) FROM pg_index i WHERE i.indrelid = c.oid AND i.indisreplident)
          ELSE false END
 FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
-WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND (a.attgenerated = '' OR (%s AND a.attgenerated = 's'))
 ORDER BY a.attnum
 """
 
 
-def published_tables(conn: psycopg.Connection, publication: str) -> list[PublishedTable]:
-    """Every table of the publication, described as pgoutput describes it (generated columns left out)."""
+def published_tables(conn: psycopg.Connection, publications: Sequence[str]) -> list[PublishedTable]:
+    """Every table of the publications, described as pgoutput describes it.
+
+    A table in several publications is sent once, as pgoutput combines them: its row filters are
+    OR-ed (no filter when one publication has none) and its column lists must agree, or pgoutput
+    refuses to decode it. Generated columns: PostgreSQL 18 sends a stored one when a publication's
+    column list names it or ``publish_generated_columns = stored`` (its ``attnames`` then list it);
+    older servers never send them, though their ``attnames`` list them."""
     version = int(conn.info.server_version)
     query = _TABLES_QUERY.format(rowfilter="p.rowfilter" if version >= 150000 else "NULL::text")
     if version < 150000:
         query = query.replace("p.attnames::text[]", "NULL::text[]")
+    by_oid: dict[int, list[tuple]] = {}  # type: ignore[type-arg]
+    for row in conn.execute(query, (list(publications),)).fetchall():
+        by_oid.setdefault(row[0], []).append(row)
     tables = []
-    rows = conn.execute(query, (publication,)).fetchall()
-    for oid, namespace, name, identity, published_columns, row_filter, partitioned in rows:
+    for oid, rows in by_oid.items():
+        _, namespace, name, identity, published_columns, _, partitioned, _ = rows[0]
+        differing = {tuple(r[4] or ()) for r in rows}
+        if len(differing) > 1:
+            raise CdcApplyError(f"{namespace}.{name}: publications {', '.join(r[7] for r in rows)} publish different "
+                                "column lists of it, which pgoutput refuses to decode; give it one column list")
+        filters = [r[5] for r in rows]
+        row_filter = None if None in filters else " OR ".join(f"({f})" for f in filters) if len(filters) > 1 \
+            else filters[0]
         columns = tuple(
             m.RelationColumn(KEY_FLAG if is_key else 0, column, type_oid, typmod)
-            for column, type_oid, typmod, is_key in conn.execute(_COLUMNS_QUERY, (oid,)).fetchall()
+            for column, type_oid, typmod, is_key in conn.execute(_COLUMNS_QUERY, (oid, version >= 180000)).fetchall()
             if published_columns is None or column in published_columns)
         tables.append(PublishedTable(m.Relation(None, oid, namespace, name, identity, columns), row_filter,
                                      partitioned))

@@ -78,7 +78,7 @@ def table_images(options: ReaderOptions) -> TableImages | None:
         return images_from_relations(core.assembler.relations.values(), core.assembler.types.values(), options.table,
                                      ", ".join(options.paths))
     with psycopg.connect(options.source.conninfo(), autocommit=True) as conn:
-        return images_from_catalog(conn, options.source.publication, options.table)
+        return images_from_catalog(conn, options.source.publications, options.table)
 
 
 @dataclass

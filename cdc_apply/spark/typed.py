@@ -18,7 +18,7 @@ Invariants (tests/test_datasource.py):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -130,9 +130,9 @@ class TableImages:
                              "read again (or restart the query) to read the new schema")
 
 
-def images_from_catalog(conn: psycopg.Connection, publication: str, table: tuple[str, str]) -> TableImages:
-    """The table as the publication publishes it now."""
-    for published in published_tables(conn, publication):
+def images_from_catalog(conn: psycopg.Connection, publications: Sequence[str], table: tuple[str, str]) -> TableImages:
+    """The table as the publications publish it now."""
+    for published in published_tables(conn, publications):
         relation = published.relation
         if (relation.namespace, relation.name) == table:
             custom = []
@@ -143,7 +143,8 @@ def images_from_catalog(conn: psycopg.Connection, publication: str, table: tuple
                     if row is not None:
                         custom.append((column.type_oid, row[0], row[1]))
             return TableImages(relation, tuple(custom))
-    raise ConfigError(f"pgoutput option table: {'.'.join(table)} is not published by publication {publication!r}")
+    raise ConfigError(f"pgoutput option table: {'.'.join(table)} is not published by publication(s) "
+                      f"{', '.join(map(repr, publications))}")
 
 
 def images_from_relations(relations: Iterable[m.Relation], types: Iterable[m.Type], table: tuple[str, str],
