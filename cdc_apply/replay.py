@@ -51,10 +51,13 @@ def table_totals(results: Sequence[BatchResult]) -> tuple[dict[str, dict[str, in
 def print_summary(results: Sequence[BatchResult], out: TextIO) -> None:
     totals, skipped = table_totals(results)
     side_columns: dict[str, dict[str, str]] = {}
+    text_columns: dict[str, list[str]] = {}
     for batch in results:
         for table in batch.tables:
             if table.side_columns:
                 side_columns[table.table] = table.side_columns
+            if table.text_columns:
+                text_columns[table.table] = table.text_columns
     lsns = [b.first_lsn for b in results if b.first_lsn] + [b.last_lsn for b in results if b.last_lsn]
     seconds = sum(b.seconds for b in results)
     changes = sum(b.changes for b in results)
@@ -69,3 +72,6 @@ def print_summary(results: Sequence[BatchResult], out: TextIO) -> None:
         if table in side_columns:
             moved = ", ".join(f"{source} -> {column}" for source, column in sorted(side_columns[table].items()))
             out.write(f"    {'':30s}source columns written to other target columns: {moved} (docs/apply.md)\n")
+        if table in text_columns:
+            out.write(f"    {'':30s}columns kept as PostgreSQL's text, since a value did not fit their type: "
+                      f"{', '.join(text_columns[table])} (docs/apply.md)\n")

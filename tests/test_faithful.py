@@ -14,6 +14,7 @@ from cdc_apply.pipeline import drain
 from cdc_apply.resync import published_oids, resync
 from cdc_apply.status import pipeline_status
 from tests.delta_oracle import delta_rows, source_types
+from tests.once_config import once_config
 from tests.reference_apply import postgres_rows
 
 
@@ -123,4 +124,86 @@ def test_generated_columns_published_by_postgresql_18(db18, spark, tmp_path, pub
         conn.execute("DELETE FROM g WHERE id = 10")
         check()
         resync(config, spark, published_oids(config, ["public.g"]))
+        check()
+
+
+@pytest.mark.spark
+def test_replica_identity_switches_keep_the_target_equal(any_db, spark, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """DEFAULT -> FULL -> DEFAULT and DEFAULT -> USING INDEX (another key) -> DEFAULT, with updates and
+    deletes in between, inside one batch and across batches; a keyless FULL table that gets a primary
+    key. No copy again: the target is re-keyed in place."""
+    server, dbname = any_db
+    warehouse = str(tmp_path / "wh")
+    config = once_config(server, dbname, warehouse, "ri")
+    columns = ["id", "code", "v", "note"]
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute("CREATE TABLE ri (id int PRIMARY KEY, code text NOT NULL UNIQUE, v int, note text)")
+        conn.execute("INSERT INTO ri SELECT g, 'c' || g, g, repeat('x', g) FROM generate_series(1, 20) g")
+        conn.execute("CREATE TABLE bag (a int, b text)")  # no key: FULL keys it by the whole row
+        conn.execute("ALTER TABLE bag REPLICA IDENTITY FULL")
+        conn.execute("INSERT INTO bag SELECT g, 'b' || g FROM generate_series(1, 6) g")
+
+        def check() -> None:
+            drain(config, spark)
+            assert delta_rows(spark, f"{warehouse}/public/ri", columns, source_types(conn, "public.ri")) == \
+                postgres_rows(conn, "public.ri", columns)
+            assert delta_rows(spark, f"{warehouse}/public/bag", ["a", "b"], source_types(conn, "public.bag")) == \
+                postgres_rows(conn, "public.bag", ["a", "b"])
+
+        check()
+        # One batch: DEFAULT -> FULL -> DEFAULT, changes under each.
+        conn.execute("UPDATE ri SET v = -v WHERE id <= 2")
+        conn.execute("ALTER TABLE ri REPLICA IDENTITY FULL")
+        conn.execute("UPDATE ri SET v = v * 10, note = 'full' WHERE id BETWEEN 2 AND 4")
+        conn.execute("UPDATE ri SET id = 40 WHERE id = 5")
+        conn.execute("DELETE FROM ri WHERE id IN (1, 6)")
+        conn.execute("ALTER TABLE ri REPLICA IDENTITY DEFAULT")
+        conn.execute("UPDATE ri SET note = 'default again' WHERE id IN (3, 40)")
+        conn.execute("DELETE FROM ri WHERE id = 7")
+        conn.execute("INSERT INTO ri VALUES (1, 'c1', 1, 'back')")
+        # The keyless table gets a primary key in the same batch: whole-row key -> id.
+        conn.execute("UPDATE bag SET b = 'changed' WHERE a = 2")
+        conn.execute("DELETE FROM bag WHERE a = 3")
+        conn.execute("ALTER TABLE bag ADD PRIMARY KEY (a)")
+        conn.execute("ALTER TABLE bag REPLICA IDENTITY DEFAULT")
+        conn.execute("UPDATE bag SET b = 'keyed' WHERE a IN (1, 2)")
+        conn.execute("DELETE FROM bag WHERE a = 4")
+        conn.execute("INSERT INTO bag VALUES (3, 'again')")
+        with caplog.at_level("INFO", logger="cdc_apply.apply.batch"):
+            check()
+        assert "public.bag: re-keyed from ['a', 'b'] to ['a'] inside the batch" in caplog.text
+
+        # Across batches: FULL, then changes, then DEFAULT.
+        conn.execute("ALTER TABLE ri REPLICA IDENTITY FULL")
+        conn.execute("UPDATE ri SET v = 0 WHERE id = 8")
+        check()
+        conn.execute("DELETE FROM ri WHERE id = 9")
+        conn.execute("UPDATE ri SET id = 50, note = 'moved' WHERE id = 10")
+        check()
+        conn.execute("ALTER TABLE ri REPLICA IDENTITY DEFAULT")
+        conn.execute("UPDATE ri SET v = 1 WHERE id = 50")
+        check()
+
+        # One batch: DEFAULT -> USING INDEX on code, with the old key's changes before and code changes after.
+        conn.execute("UPDATE ri SET code = 'first', note = 'by id' WHERE id = 11")
+        conn.execute("DELETE FROM ri WHERE id = 12")
+        conn.execute("ALTER TABLE ri REPLICA IDENTITY USING INDEX ri_code_key")
+        conn.execute("UPDATE ri SET code = 'c12' WHERE id = 13")  # takes the deleted row's code
+        conn.execute("UPDATE ri SET v = 99 WHERE code = 'first'")
+        conn.execute("DELETE FROM ri WHERE code = 'c14'")
+        conn.execute("UPDATE ri SET id = 60 WHERE code = 'c15'")
+        conn.execute("INSERT INTO ri VALUES (12, 'new12', 12, 'by code')")
+        caplog.clear()
+        with caplog.at_level("INFO", logger="cdc_apply.apply.batch"):
+            check()
+        assert "public.ri: re-keyed from ['id'] to ['code'] inside the batch" in caplog.text
+        # Across batches: back to DEFAULT, then USING INDEX again.
+        conn.execute("ALTER TABLE ri REPLICA IDENTITY DEFAULT")
+        conn.execute("UPDATE ri SET code = 'c16b' WHERE id = 16")
+        check()
+        conn.execute("ALTER TABLE ri REPLICA IDENTITY USING INDEX ri_code_key")
+        conn.execute("UPDATE ri SET code = 'c17b', v = 7 WHERE id = 17")
+        check()
+        conn.execute("DELETE FROM ri WHERE code = 'c18'")
+        conn.execute("UPDATE ri SET note = NULL WHERE code = 'c17b'")
         check()

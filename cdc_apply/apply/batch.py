@@ -30,16 +30,17 @@ from cdc_apply.apply.collapse import Collapsed, Collapser, MultisetCollapser
 from cdc_apply.apply.columnar import CollapsedColumns, collapsed_columns, segment_rows
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.history import HistoryCollapser, merge_history
-from cdc_apply.apply.merge import ValueDoesNotFitError, merge_collapsed, new_rows, typed_frame
+from cdc_apply.apply.merge import ValueDoesNotFitError, fetch_target_rows, merge_collapsed, new_rows, typed_frame
 from cdc_apply.apply.options import ApplyOptions, TableOptions
 from cdc_apply.apply.schema import (
-    BackfillTargetColumn, ColumnAdded, RenameTargetColumn, describe, diff, initial_columns, plan, relation_columns,
+    BackfillTargetColumn, ColumnAdded, RenameTargetColumn, RetypeTargetColumn, SourceColumn, describe, diff,
+    initial_columns, plan, relation_columns,
 )
 from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.target_state import TargetState, TargetStates
 from cdc_apply.apply.targets import KnownVersionAppend, SourceState, Target, TargetRegistry, metadata_columns
 from cdc_apply.assemble import Change, SpilledChanges, Transaction
-from cdc_apply.changerows.codec import keep_as_text_hint
+from cdc_apply.changerows.codec import UnrepresentableColumnError
 from cdc_apply.changerows.columns import InsertedRows, ParsedImages, ParsedRows
 from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
 from cdc_apply.errors import CdcApplyError
@@ -70,6 +71,7 @@ class TableResult:
     # source column -> the target column it now feeds, where they differ (a lenient retype's
     # ``d__int``, a case clash): readers find a column's current values there
     side_columns: dict[str, str] = field(default_factory=dict)
+    text_columns: list[str] = field(default_factory=list)  # kept as PostgreSQL's text by evolve
     skipped: bool = False  # already applied (exactly once)
     write: str = ""  # how the data was committed: snapshot, append or merge
     columnar: bool = False  # collapsed as Arrow columns (apply/columnar.py), not row by row
@@ -158,7 +160,10 @@ class BatchApplier:
         self._thread_sessions = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self.options = options
-        self.rows = rows or ChangeRowBuilder(TypeCache(column_types=options.column_type))
+        self.rows = rows or ChangeRowBuilder(TypeCache(column_types=self._column_type))
+        # (schema, table, source column) kept as PostgreSQL's text because a value did not fit its
+        # mapped type under schema_policy: evolve; each target records its own (SourceState.text_columns).
+        self.text_columns: set[tuple[str, str, str]] = set()
         self.registry = TargetRegistry(options.warehouse)
         self.target_states = TargetStates()
 
@@ -285,13 +290,63 @@ class BatchApplier:
 
     def apply_table(self, oid: int, segments: list[TableChanges], versioning: Versioning, snapshot: bool = False,
                     spark: SparkSession | None = None) -> TableResult | None:
-        """One table's segments of a batch -> one data commit (and the schema commits before it), in
-        three steps: the plan (target, what it holds, how it may be written), the collapse (with the
-        schema changes the segments bring) and the writer."""
+        """One table's segments of a batch -> one data commit (and the schema commits before it).
+
+        A value a column's mapped type cannot hold stops the batch, with nothing of it committed,
+        except under ``schema_policy: evolve``: the column is switched to PostgreSQL's text (the
+        target column rewritten in place) and the table's batch applied again."""
+        while True:
+            try:
+                return self._apply_table(oid, segments, versioning, snapshot, spark)
+            except UnrepresentableColumnError as exc:
+                segments = self._keep_as_text(segments, exc, spark)
+
+    def _column_type(self, schema: str, table: str, column: str) -> str | None:
+        """The type a source column is converted to: the config's, or text where evolve switched it."""
+        configured = self.options.column_type(schema, table, column)
+        return configured or ("string" if (schema, table, column) in self.text_columns else None)
+
+    def _keep_as_text(self, segments: list[TableChanges], exc: UnrepresentableColumnError,
+                      spark: SparkSession | None) -> list[TableChanges]:
+        """Under ``evolve``, the failing column from now on as PostgreSQL's text, its target column (if
+        any) rewritten to it in its own commit; else ``exc`` again."""
+        relation = segments[-1].relation
+        options = self.options.for_table(relation.namespace, relation.name)
+        column = (relation.namespace, relation.name, exc.column)
+        if options.schema_policy != "evolve" or column in self.text_columns:
+            raise exc
+        self.text_columns.add(column)
+        log.warning("%s: column %s switched to PostgreSQL's exact text (schema_policy evolve), since a value does not "
+                    "fit its type: %s", exc.table, exc.column, exc)
+        target, _ = self.target(relation, options, spark)
+        state = self.target_states.current(target).source
+        if state is not None:
+            columns = [SourceColumn(c.name, "string", c.target) if c.name == exc.column else c for c in state.columns]
+            switched = replace(state, columns=columns, text_columns=(*state.text_columns, exc.column))
+            retype = [RetypeTargetColumn(c.target, "string") for c in state.columns
+                      if c.name == exc.column and c.target is not None]
+            apply_actions(target, retype, switched, format_lsn(segments[0].transactions[0].commit_lsn))
+            self.target_states.forget(target)
+        return self._converted_again(segments)
+
+    def _converted_again(self, segments: list[TableChanges]) -> list[TableChanges]:
+        """The segments with codecs built anew, after a column's type changed."""
+        self.rows.forget(segments[0].relation.oid)
+        return [self.rows.rebuilt(segment) for segment in segments]
+
+    def _apply_table(self, oid: int, segments: list[TableChanges], versioning: Versioning, snapshot: bool,
+                     spark: SparkSession | None) -> TableResult | None:
+        """The three steps of ``apply_table``: the plan (target, what it holds, how it may be written),
+        the collapse (with the schema changes the segments bring) and the writer."""
         started = time.perf_counter()
         plan = self._plan(oid, segments[0].relation, versioning, snapshot, spark)
         if plan is None:
             return None
+        known_text = plan.known.source.text_columns if plan.known.source is not None else ()
+        learned = {(plan.relation.namespace, plan.relation.name, c) for c in known_text} - self.text_columns
+        if learned:  # switched by an earlier run: convert as the target holds them
+            self.text_columns |= learned
+            segments = self._converted_again(segments)
         result = TableResult(plan.qualified, plan.target.location)
         batch = None if plan.done else self._collapse(plan, segments, result)
         if batch is None:  # the target holds the batch already, or no row is left to apply
@@ -351,12 +406,12 @@ class BatchApplier:
             state, renamed = self._prepare_target(plan, state, segment, (rows[0]["commit_lsn"], rows[0]["seq"]),
                                                   result, backfills)
             if collapser is None:
-                collapser = self._collapser(plan, segment.relation, state.keys)
+                collapser = self._collapser(plan, state)
             else:
                 if renamed:
                     collapser.rename_columns(renamed)
                 if state.keys != collapser.key_columns:
-                    collapser.add_key(state.keys)
+                    collapser = self._rekeyed(plan, collapser, state)
             column_map = state.column_map()
             identity = all(source == target_name for source, target_name in column_map.items())
             appendable = appendable and _unique_key(segment.relation, column_map, state.keys, plan.options)
@@ -386,12 +441,25 @@ class BatchApplier:
         return self._evolve(plan.target, state, segment, plan.options, position, result, backfills)
 
     @staticmethod
-    def _collapser(plan: TablePlan, relation: m.Relation, keys: tuple[str, ...]) -> Collapser:
+    def _collapser(plan: TablePlan, state: SourceState) -> Collapser:
         if plan.options.scd_type == 2:
-            return HistoryCollapser(plan.qualified, keys)
-        if _whole_row_key(relation, plan.options):
-            return MultisetCollapser(plan.qualified, keys)
-        return Collapser(plan.qualified, keys)
+            return HistoryCollapser(plan.qualified, state.keys)
+        if _multiset(state, plan.options):
+            return MultisetCollapser(plan.qualified, state.keys)
+        return Collapser(plan.qualified, state.keys)
+
+    @staticmethod
+    def _rekeyed(plan: TablePlan, collapser: Collapser, state: SourceState) -> Collapser:
+        """The batch's collapse so far under the key a Relation inside the batch brought."""
+        if not collapser.key_columns or (isinstance(collapser, MultisetCollapser) and _multiset(state, plan.options)):
+            collapser.add_key(state.keys)  # an insert-only table got a key, or a whole-row key grew
+            return collapser
+        states = collapser.result.states
+        wanted = {*states, *(s.source_key for s in states.values() if s.from_target and s.source_key is not None)}
+        rows = fetch_target_rows(plan.target, collapser.key_columns, wanted) if plan.known.exists else {}
+        log.info("%s: re-keyed from %s to %s inside the batch", plan.qualified, list(collapser.key_columns),
+                 list(state.keys))
+        return collapser.rekeyed(state.keys, rows)
 
     def _write(self, plan: TablePlan, batch: CollapsedBatch, result: TableResult) -> None:
         """The batch's one data commit: an append, a MERGE or a history MERGE, idempotent by its
@@ -421,9 +489,8 @@ class BatchApplier:
                                 columnar=batch.columnar)
         except ValueDoesNotFitError as exc:
             source = next((name for name, column in state.column_map().items() if column == exc.column), exc.column)
-            raise CdcApplyError(f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."
-                                f"{format_lsn(collapsed.last_lsn or 0)}): {exc}"
-                                f"{keep_as_text_hint(qualified, source)}") from None
+            raise UnrepresentableColumnError(qualified, source, f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."
+                                             f"{format_lsn(collapsed.last_lsn or 0)}): {exc}") from None
         self._committed(plan, commit if cached else None)
         result.ops = collapsed.op_counts
         result.keys_written = batch.columnar.keys_written if batch.columnar else len(collapsed.states)
@@ -441,6 +508,9 @@ class BatchApplier:
                                if column is not None and column != source}
         if result.side_columns:
             metadata["side_columns"] = result.side_columns
+        result.text_columns = list(state.text_columns)
+        if state.text_columns:
+            metadata["text_columns"] = result.text_columns
         if plan.snapshot and plan.versioning.copy_progress is not None:
             metadata["copy"] = dict(plan.versioning.copy_progress)
         if collapsed.truncate is not None:
@@ -589,9 +659,9 @@ class BatchApplier:
     def _keyed_as_is(self, state: SourceState, relation: m.Relation, options: TableOptions) -> bool:
         """One row per key (SCD type 1, not a whole-row key) and no schema change against ``state``
         (else the collapse path evolves the target first)."""
-        return options.scd_type == 1 and not _whole_row_key(relation, options) \
+        return options.scd_type == 1 and not _multiset(state, options) \
             and not diff(state.columns, self._columns(relation, options)) \
-            and self._later_keys(state, relation, options) == state.keys
+            and self._later_keys(state, relation, options) == (state.keys, state.whole_row)
 
     def _columns(self, relation: m.Relation, options: TableOptions) -> list[tuple[str, str]]:
         return [(name, spark_type) for name, spark_type in relation_columns(relation, self.rows.types)
@@ -610,12 +680,18 @@ class BatchApplier:
         columns = initial_columns(current, reserved=[name for name, _ in metadata_columns(options)])
         targets = {col.name: col.target for col in columns}
         keys = self._keys(relation, options, set(targets))
+        whole_row = relation.replica_identity == "f" and not options.keys
         state = SourceState(relation.oid, relation.namespace, relation.name,
-                            tuple(targets[k] for k in keys), columns, position)  # type: ignore[misc]
+                            tuple(targets[k] for k in keys), columns, position, whole_row=whole_row,  # type: ignore[misc]
+                            text_columns=self._text_columns(relation))
         target.create(state, dict(current), options, self.options.table_properties, replace)
         log.info("%s %s for %s.%s (keys %s)", "replaced" if replace else "created", target.location,
                  relation.namespace, relation.name, keys)
         return state
+
+    def _text_columns(self, relation: m.Relation) -> tuple[str, ...]:
+        """The relation's columns evolve switched to PostgreSQL's text."""
+        return tuple(c.name for c in relation.columns if (relation.namespace, relation.name, c.name) in self.text_columns)
 
     def _backfills(self, relation: m.Relation, added: list[ColumnAdded], targets: dict[str, str | None],
                    options: TableOptions, lsn: int) -> list[BackfillTargetColumn]:
@@ -640,19 +716,33 @@ class BatchApplier:
         return backfills
 
     @staticmethod
-    def _later_keys(state: SourceState, relation: m.Relation, options: TableOptions) -> tuple[str, ...]:
-        """An insert-only table whose Relation now carries a key (``ADD PRIMARY KEY``) is keyed from here on;
-        the rows it holds are unique on that key, or PostgreSQL would have refused it."""
+    def _later_keys(state: SourceState, relation: m.Relation, options: TableOptions) -> tuple[tuple[str, ...], bool]:
+        """The target's key under this Relation, and whether it is the whole row (docs/apply.md, "Keys").
+
+        The rows stay the same rows whatever the replica identity, so the target is re-keyed in
+        place, never copied again: a unique key stays the key under FULL (the old row carries it);
+        a primary key or USING INDEX that the Relation flags becomes the key (the rows are unique on
+        it, or PostgreSQL would have refused it), also for an insert-only table (``ADD PRIMARY KEY``);
+        a table without a key that turns FULL is keyed by the whole row, which grows with its columns."""
+        if options.keys:
+            return state.keys, state.whole_row
         targets = state.column_map()
-        if _whole_row_key(relation, options):  # the key is the whole row, as it is now
-            return tuple(t for t in (targets.get(k) for k in relation.key_columns) if t is not None)
-        if state.keys or options.keys or relation.replica_identity not in ("d", "i", "f"):
-            return state.keys
-        keys = tuple(targets.get(k) for k in relation.key_columns)
-        if not keys or any(k is None for k in keys):
-            return state.keys
-        log.info("%s.%s: now has key %s: applied keyed from here on", relation.namespace, relation.name, list(keys))
-        return keys  # type: ignore[return-value]
+        identity = tuple(targets.get(k) for k in relation.key_columns)
+        complete = bool(identity) and None not in identity
+        if relation.replica_identity == "f":
+            if state.keys and not state.whole_row:
+                return state.keys, False
+            if state.whole_row and _multiset(state, options):
+                return tuple(t for t in identity if t is not None), True
+            if not state.keys and complete:
+                return identity, True  # type: ignore[return-value]
+            return state.keys, state.whole_row
+        if relation.replica_identity in ("d", "i") and complete and identity != state.keys:
+            log.info("%s.%s: now keyed by %s (replica identity %s): applied by that key from here on",
+                     relation.namespace, relation.name, list(identity),
+                     m.REPLICA_IDENTITY_NAMES.get(relation.replica_identity, relation.replica_identity))
+            return identity, False  # type: ignore[return-value]
+        return state.keys, state.whole_row
 
     @staticmethod
     def _keys(relation: m.Relation, options: TableOptions, columns: set[str]) -> tuple[str, ...]:
@@ -688,28 +778,30 @@ class BatchApplier:
         current = self._columns(segment.relation, options)
         events = diff(state.columns, current)
         if not events:
-            keys = self._later_keys(state, segment.relation, options)
-            if keys == state.keys:
+            keys, whole_row = self._later_keys(state, segment.relation, options)
+            if (keys, whole_row) == (state.keys, state.whole_row):
                 return state, {}
             keyed = SourceState(state.relation_oid, segment.relation.namespace, segment.relation.name, keys,
-                                state.columns, position, state.merge_until)
+                                state.columns, position, state.merge_until, whole_row, state.text_columns)
             apply_actions(target, [], keyed, format_lsn(position[0]))
             return keyed, {}
         where = f"{segment.qualified_name} at LSN {format_lsn(position[0])}"
         data_types = target.data_types()
+        text_columns = tuple(dict.fromkeys([*state.text_columns, *self._text_columns(segment.relation)]))
         decided = plan(events, state.columns, current, data_types, options.schema_policy, where,
-                       retyped_by_config=frozenset(options.column_types), type_widening=options.type_widening)
+                       retyped_by_config=frozenset([*options.column_types, *text_columns]),
+                       type_widening=options.type_widening)
         targets = {col.name: col.target for col in decided.columns}
         renamed_keys = {a.old for a in decided.actions if isinstance(a, RenameTargetColumn)}
         missing_keys = [k for k in state.keys if k not in targets.values() and k not in renamed_keys]
-        if missing_keys and not _whole_row_key(segment.relation, options):
+        if missing_keys and not state.whole_row:
             raise CdcApplyError(f"{where}: key columns {missing_keys} no longer reach the target after "
                                 f"{[describe(e) for e in events]}")
         renamed = {a.old: a.new for a in decided.actions if isinstance(a, RenameTargetColumn)}
         new_state = SourceState(state.relation_oid, segment.relation.namespace, segment.relation.name,
                                 tuple(renamed.get(k, k) for k in state.keys), decided.columns, position,
-                                state.merge_until)
-        new_state.keys = self._later_keys(new_state, segment.relation, options)
+                                state.merge_until, state.whole_row, text_columns)
+        new_state.keys, new_state.whole_row = self._later_keys(new_state, segment.relation, options)
         added = [e for e in events if isinstance(e, ColumnAdded) and targets.get(e.column)]
         backfills += self._backfills(segment.relation, added, targets, options, position[0])
         apply_actions(target, [*decided.actions, *backfills], new_state, format_lsn(position[0]))
@@ -727,11 +819,10 @@ class _PiecewiseAppend:
     append: KnownVersionAppend
 
 
-def _whole_row_key(relation: m.Relation, options: TableOptions) -> bool:
-    """REPLICA IDENTITY FULL and no configured key: identical rows may exist, each kept (hard deletes,
-    SCD type 1; soft deletes and history keep one row per distinct value, docs/apply.md)."""
-    return relation.replica_identity == "f" and not options.keys and options.delete_mode == "hard" \
-        and options.scd_type == 1
+def _multiset(state: SourceState, options: TableOptions) -> bool:
+    """Keyed by the whole row (REPLICA IDENTITY FULL without a unique key): identical rows may exist, each
+    kept (hard deletes, SCD type 1; soft deletes and history keep one row per distinct value, docs/apply.md)."""
+    return state.whole_row and not options.keys and options.delete_mode == "hard" and options.scd_type == 1
 
 
 def _appends_new_rows(plan: TablePlan, state: SourceState) -> bool:

@@ -196,6 +196,41 @@ class Collapser:
             key = tuple(state.values.get(k) for k in key_columns)
             self._set(key, state)
 
+    def rekeyed(self, key_columns: tuple[str, ...], target_rows: Mapping[Key, ColumnValues]) -> Collapser:
+        """The batch so far under another key: a replica identity switch inside the batch (a USING
+        INDEX of other columns, a whole-row key that became a primary key; docs/apply.md, "Keys").
+
+        ``target_rows`` are the target's rows at the batch's start by the current key (also those that
+        supply unchanged TOAST values). PostgreSQL's new key is unique at the switch, so each row the
+        batch leaves takes the new key of its values, and the target row its old key named is deleted
+        under that row's new key first: a row whose new key another row took is replaced by it.
+        """
+        rekeyed = Collapser(self.table, key_columns)
+        old = self.result
+        rekeyed.result = Collapsed(key_columns, truncate=old.truncate, op_counts=old.op_counts,
+                                   first_lsn=old.first_lsn, last_lsn=old.last_lsn)
+
+        def new_key(values: Mapping[str, Any]) -> Key | None:
+            return tuple(values[k] for k in key_columns) if all(k in values for k in key_columns) else None
+
+        for old_key, state in old.states.items():
+            gone = new_key(target_rows.get(old_key) or self._key_image(old_key))
+            if gone is not None:  # None: the old key names no target row (a row of this batch)
+                rekeyed._set(gone, KeyState(True, rekeyed._key_image(gone), state.commit_lsn, state.commit_ts))
+        for old_key, state in old.states.items():
+            if state.deleted:
+                continue
+            values = dict(state.values)
+            if state.from_target:
+                source = target_rows.get(state.source_key or old_key, {})
+                values.update((name, source.get(name)) for name in state.from_target)
+            key = new_key(values)
+            if key is None:
+                raise CdcApplyError(f"{self.table}, LSN {format_lsn(state.commit_lsn)}: a row has no value for the "
+                                    f"new key columns {list(key_columns)}")
+            rekeyed._set(key, KeyState(False, values, state.commit_lsn, state.commit_ts))
+        return rekeyed
+
     def _key(self, image: ColumnValues | None, row: Mapping[str, Any], which: str) -> Key:
         try:
             return tuple(image[k] for k in self._key_columns)  # type: ignore[index]

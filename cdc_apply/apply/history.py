@@ -19,11 +19,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from cdc_apply.apply.collapse import Collapser, Key, KeyState, TruncateMark
+from cdc_apply.apply.collapse import ColumnValues, Collapser, Key, KeyState, TruncateMark
 from cdc_apply.apply.merge import OP, arrow_column, fetch_target_rows, typed_frame
 from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, CURRENT, VALID_FROM, VALID_TO
 from cdc_apply.apply.targets import Target, quote
+from cdc_apply.errors import CdcApplyError
 
 CLOSE_TS = "_cdc_close_ts"
 
@@ -43,6 +44,11 @@ class HistoryCollapser(Collapser):
         timelines = list(self.timelines.values())
         super().add_key(key_columns)
         self.timelines = {tuple(t.entries[-1].values.get(k) for k in key_columns): t for t in timelines}
+
+    def rekeyed(self, key_columns: tuple[str, ...], target_rows: Mapping[Key, ColumnValues]) -> Collapser:
+        raise CdcApplyError(f"{self.table}: key columns changed from {list(self.key_columns)} to {list(key_columns)} "
+                            "inside one batch, which SCD type 2 cannot follow; apply it in smaller batches "
+                            "(batching.max_changes) or copy the table again")
 
     def _set(self, key: Key, state: KeyState) -> None:
         super()._set(key, state)

@@ -70,6 +70,10 @@ class SourceState:
     columns: list[SourceColumn]
     applied_at: tuple[int, int]  # (commit_lsn, seq) of the first change decoded under this definition
     merge_until: int = 0  # a resumed copy's newest consistent point: no append of new rows up to it
+    # The keys are the whole row (REPLICA IDENTITY FULL when the target was keyed), not a unique key.
+    whole_row: bool = False
+    # Source columns schema_policy evolve switched to PostgreSQL's text: a value did not fit their type.
+    text_columns: tuple[str, ...] = ()
 
     def column_map(self) -> dict[str, str | None]:
         return {col.name: col.target for col in self.columns}
@@ -77,15 +81,19 @@ class SourceState:
     def to_json(self) -> str:
         return json.dumps({"relation_oid": self.relation_oid, "schema": self.schema, "table": self.table,
                            "keys": list(self.keys), "applied_at": list(self.applied_at),
-                           "merge_until": self.merge_until,
+                           "merge_until": self.merge_until, "whole_row": self.whole_row,
+                           "text_columns": list(self.text_columns),
                            "columns": [[c.name, c.spark_type, c.target] for c in self.columns]})
 
     @classmethod
     def from_json(cls, text: str) -> SourceState:
         data = json.loads(text)
-        return cls(data["relation_oid"], data["schema"], data["table"], tuple(data["keys"]),
-                   [SourceColumn(*col) for col in data["columns"]], tuple(data["applied_at"]),
-                   data.get("merge_until", 0))
+        columns = [SourceColumn(*col) for col in data["columns"]]
+        keys = tuple(data["keys"])
+        # Written before the flag existed: a key of every column the target has is a whole-row key.
+        whole_row = data.get("whole_row", bool(keys) and set(keys) == {c.target for c in columns if c.target})
+        return cls(data["relation_oid"], data["schema"], data["table"], keys, columns, tuple(data["applied_at"]),
+                   data.get("merge_until", 0), whole_row, tuple(data.get("text_columns", ())))
 
 
 class Target:

@@ -46,8 +46,21 @@ class ColumnCodec:
     def conversion_error(self, where: str, exc: Exception) -> CdcApplyError:
         """A located error for a value of this column; for a valid value the type cannot hold, it
         names the config key that keeps it as text."""
-        hint = keep_as_text_hint(self.table, self.name) if isinstance(exc, UnrepresentableValueError) else ""
-        return CdcApplyError(f"{where}: column {self.name!r} ({self.pg_type.name}): {exc}{hint}")
+        message = f"{where}: column {self.name!r} ({self.pg_type.name}): {exc}"
+        if isinstance(exc, UnrepresentableValueError):
+            return UnrepresentableColumnError(self.table, self.name, message)
+        return CdcApplyError(message)
+
+
+class UnrepresentableColumnError(CdcApplyError):
+    """A valid value of a source column that the column's mapped type cannot hold (NaN in
+    ``numeric(p,s)``, a multi-dimensional array): the message names the config key that keeps the
+    column as PostgreSQL's text; ``schema_policy: evolve`` switches the column to it by itself."""
+
+    def __init__(self, table: str, column: str, message: str) -> None:
+        super().__init__(message + keep_as_text_hint(table, column))
+        self.table = table  # schema.table
+        self.column = column  # the source column
 
 
 def keep_as_text_hint(table: str, column: str) -> str:

@@ -84,6 +84,17 @@ class ChangeRowBuilder:
             codec = self._codecs[relation] = RelationCodec.build(relation, self.types)
         return codec
 
+    def forget(self, relation_oid: int) -> None:
+        """Drop the table's codecs: its column types changed (a column switched to text)."""
+        for relation in [r for r in self._codecs if r.oid == relation_oid]:
+            del self._codecs[relation]
+
+    def rebuilt(self, segment: TableChanges) -> TableChanges:
+        """The segment's changes again, with the codec its Relation has now (nothing converted yet)."""
+        again = TableChanges(segment.relation, self.codec(segment.relation), segment.transactions, segment.changes)
+        again.parsed = segment.parsed
+        return again
+
     def build(self, transactions: Iterable[Transaction], parsed: ParsedRows | None = None) -> list[TableChanges]:
         """``parsed``: the transactions' change rows as their deliverer parsed them (``TableChanges.parsed``)."""
         segments: list[TableChanges] = []
