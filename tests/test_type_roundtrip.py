@@ -274,3 +274,33 @@ def test_bounded_numeric_cannot_silently_take_nan() -> None:
     with pytest.raises(UnrepresentableValueError):
         numeric.from_text("NaN", typmod)
     assert numeric.spark_type(typmod) == "decimal(12,2)" and numeric.spark_type(-1) == "string"
+
+
+@pytest.mark.spark
+def test_the_data_source_reads_a_binary_capture_as_postgres_text(captured, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A capture recorded with ``binary = true``, read by ``spark.read.format("pgoutput")``: each
+    binary value reaches the text maps as PostgreSQL's text, which converts back to exactly the value
+    the binary converter decodes, for every type of the matrix."""
+    from cdc_apply.pgoutput import messages as m
+    from cdc_apply.sources.capture import write_jsonl
+
+    columns, _, decoded, captures, _ = captured
+    path = tmp_path / "binary.jsonl"
+    write_jsonl(path, captures[True])
+    codec = change_rows(Assembler().transactions(captures[False]))[0].codec
+    by_name = {column.name: column for column in codec.columns}
+    rows = spark.read.format("pgoutput").load(str(path)).where("op = 'I'").select("new").collect()
+    assert len(rows) == len(decoded[True])
+    wrong = []
+    for row in rows:
+        new = row.new
+        expected = decoded[True][int(new["id"])]
+        for name in columns:
+            text = new.get(name)
+            value = None if text is None else by_name[name].convert(m.KIND_TEXT, text.encode())
+            want = expected[name]
+            same = isinstance(value, float) and math.isnan(value) if isinstance(want, float) and math.isnan(want) \
+                else value == want
+            if not same:
+                wrong.append(f"row {new['id']} {columns[name]}: {text!r} decodes to {value!r}, not {want!r}")
+    assert not wrong, "\n".join(wrong)

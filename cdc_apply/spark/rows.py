@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cdc_apply.assemble import Transaction
-from cdc_apply.changerows.codec import Segment, where_change
+from cdc_apply.changerows.codec import ColumnCodec, Segment, where_change
 from cdc_apply.changerows.columns import ImageSpans, ParsedImages, ParsedSegment, change_table, parse_segment
 from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
 from cdc_apply.errors import CdcApplyError
@@ -27,6 +27,7 @@ from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.columnar import gather_values
 from cdc_apply.pgoutput.decoder import outside_stream_block
 from cdc_apply.pgoutput.encode import encode_relation
+from cdc_apply.pgtypes import ValueConversionError, exact_text_type
 from cdc_apply.spark.typed import IMAGES, TableImages, spark_arrow
 
 IMAGE = pa.map_(pa.string(), pa.string())
@@ -115,13 +116,12 @@ def _text_map(parsed: ParsedSegment, image: ImageSpans, indexes: list[int]) -> p
     names = parsed.segment.codec.columns
     rows = len(parsed.wired)
     kinds = image.kinds[:, indexes]
-    if np.any(kinds == m.KIND_BINARY):
-        raise CdcApplyError(f"{parsed.segment.qualified_name}: a binary-format value reached the data source, "
-                            "whose images are PostgreSQL text (read with binary=false)")
-    included = (kinds == m.KIND_TEXT) | (kinds == m.KIND_NULL)  # absent: 'u' and rows without the image
+    # absent: 'u' and rows without the image
+    included = (kinds == m.KIND_TEXT) | (kinds == m.KIND_BINARY) | (kinds == m.KIND_NULL)
     offsets = np.zeros(rows + 1, np.int32)
     np.cumsum(included.sum(axis=1), out=offsets[1:])
-    values = [gather_values(parsed.buf, kinds[:, j], image.starts[:, i], image.lengths[:, i])
+    values = [_as_postgres_text(parsed, names[i], kinds[:, j],
+                                gather_values(parsed.buf, kinds[:, j], image.starts[:, i], image.lengths[:, i]))
               for j, i in enumerate(indexes)]
     row, position = np.nonzero(included)  # row-major: each row's columns in table order
     stacked = pa.concat_arrays(values) if values else pa.array([], pa.large_binary())
@@ -129,6 +129,22 @@ def _text_map(parsed: ParsedSegment, image: ImageSpans, indexes: list[int]) -> p
     keys = pa.array([names[i].name for i in indexes], pa.string()).take(pa.array(position))
     result = pa.MapArray.from_arrays(pa.array(offsets), keys, items, mask=pa.array(~image.present))
     return result if parsed.take is None else result.take(parsed.take)
+
+
+def _as_postgres_text(parsed: ParsedSegment, column: ColumnCodec, kinds: np.ndarray, values: pa.Array) -> pa.Array:
+    """A column's values as PostgreSQL's text: binary-format values (a source read with
+    ``binary = true``) rendered as PostgreSQL prints them (``pgtypes/exact_text.py``)."""
+    binary_rows = np.flatnonzero(kinds == m.KIND_BINARY)
+    if not len(binary_rows):
+        return values
+    as_text = exact_text_type(column.pg_type)
+    items = values.to_pylist()
+    for row in binary_rows.tolist():
+        try:
+            items[row] = as_text.from_binary(items[row], column.typmod).encode()
+        except (ValueConversionError, ValueError) as exc:
+            raise column.conversion_error(parsed.where(row), exc) from None
+    return pa.array(items, pa.large_binary())
 
 
 class MicroBatchRows:
