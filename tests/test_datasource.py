@@ -79,31 +79,41 @@ def test_a_streaming_query_keeps_delta_equal_to_postgres(db18, spark, tmp_path) 
 
 
 def test_a_batch_replayed_with_its_id_is_skipped(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """foreach_batch's txnAppId/txnVersion: the same (query, batch id) applied twice changes nothing."""
+    """foreach_batch's txnAppId/txnVersion (the batch's last commit LSN): the same batch applied again,
+    by Spark with its id or by a new checkpoint's query with new ids, changes nothing, also for a
+    table without a key, which is appended."""
     server, dbname = db18
     conninfo = server.conninfo(dbname)
     warehouse = str(tmp_path / "wh")
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute("CREATE TABLE t (id int PRIMARY KEY, n int); CREATE PUBLICATION load FOR TABLE t")
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, n int); CREATE TABLE log (n int)")
+        conn.execute("ALTER TABLE log REPLICA IDENTITY NOTHING; CREATE PUBLICATION load FOR TABLE t, log")
         create_slot(conn, "ds")
         conn.execute("INSERT INTO t SELECT g, g FROM generate_series(1, 20) g")
         conn.execute("UPDATE t SET n = n + 1")
+        conn.execute("INSERT INTO log SELECT 7 FROM generate_series(1, 5)")  # identical rows, kept apart
     frame = spark.read.format("pgoutput").option("dsn", conninfo).option("slot", "ds").option("publication", "load").load()
     apply = foreach_batch(_stream_config(conninfo, warehouse))
     spark.sparkContext.setLocalProperty("sql.streaming.queryId", "query-1")
     try:
         apply(frame, 0)
         apply(frame, 0)  # Spark re-running batch 0 after a failure
-        apply(frame, 1)  # a later batch: applied (the changes are idempotent upserts)
+        spark.sparkContext.setLocalProperty("sql.streaming.queryId", "query-2")
+        fresh = foreach_batch(_stream_config(conninfo, warehouse))
+        fresh(frame, 0)  # a new checkpoint over a slot that holds the applied changes still
     finally:
         spark.sparkContext.setLocalProperty("sql.streaming.queryId", None)
-    first, again, later = apply.summary.batches  # type: ignore[attr-defined]
-    assert [t.skipped for t in first.tables] == [False] and [t.skipped for t in again.tables] == [True]
-    assert [t.skipped for t in later.tables] == [False]
+    first, again = apply.summary.batches  # type: ignore[attr-defined]
+    (anew,) = fresh.summary.batches  # type: ignore[attr-defined]
+    assert [t.skipped for t in first.tables] == [False, False]
+    assert [t.skipped for t in again.tables] == [True, True] == [t.skipped for t in anew.tables]
     rows = spark.read.format("delta").load(f"{warehouse}/public/t").orderBy("id").collect()
     assert [(r.id, r.n) for r in rows] == [(g, g + 1) for g in range(1, 21)]
+    assert [r.n for r in spark.read.format("delta").load(f"{warehouse}/public/log").collect()] == [7] * 5
     history = spark.sql(f"DESCRIBE HISTORY delta.`{warehouse}/public/t`").collect()
-    assert sum(1 for h in history if h.operation == "MERGE") == 2
+    assert [h.operation for h in history if h.operation in ("MERGE", "WRITE")] == ["WRITE"]  # new rows: appended
+    assert '"stream_batch": {"batch": 0, "query": "query-1"}' in next(h.userMetadata for h in history
+                                                                   if h.operation == "WRITE")
 
 
 def test_batch_reads_equal_decode_and_do_not_consume_the_slot(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -6,9 +6,10 @@ Invariants:
 - Exactly once: a table's commits carry ``txnAppId = <pipeline>/<relation oid>`` and
   ``txnVersion = the batch's last commit LSN``. Rows at or below the version a target already
   holds are dropped before collapse, so a replayed or re-split batch changes nothing twice.
-  A Structured Streaming micro-batch (``apply(..., stream_batch=(query id, batch id))``) uses
-  ``txnAppId = <query id>/<relation oid>`` and ``txnVersion = batch id`` instead: Spark re-runs a
-  batch with the same id and the same offsets, so a table that already holds it skips it whole.
+  A Structured Streaming micro-batch (``apply(..., stream_batch=(query id, batch id))``) is
+  versioned the same way: its rows are whole transactions in commit order, so a batch Spark runs
+  again, or the same changes read again under a new checkpoint, change nothing twice; the query
+  and batch ids go into the commit's ``userMetadata``.
 - Schema changes are judged against the state stored in the target (``cdc_apply.source``), and
   only for Relation definitions newer than the one that state was made from.
 """
@@ -83,10 +84,9 @@ class TableResult:
 class Versioning:
     """How a batch's Delta commits are made idempotent (see the module invariants)."""
 
-    app_prefix: str
-    version: int
-    by_lsn: bool  # versions are commit LSNs: rows at or below the committed one are dropped
+    version: int  # the batch's last commit LSN: rows at or below a target's version are dropped
     copy_progress: Mapping[str, object] | None = None  # a snapshot chunk: recorded in its own commit
+    stream_batch: tuple[str, int] | None = None  # (query id, batch id) of a micro-batch: recorded too
 
 
 @dataclass
@@ -214,11 +214,7 @@ class BatchApplier:
         started = time.perf_counter()
         if not transactions:
             return BatchResult(0, None, None, [], 0.0)
-        if stream_batch is None:
-            version = Versioning(self.options.pipeline, transactions[-1].commit_lsn, by_lsn=True,
-                                 copy_progress=copy_progress)
-        else:
-            version = Versioning(stream_batch[0], stream_batch[1], by_lsn=False)
+        version = Versioning(transactions[-1].commit_lsn, copy_progress=copy_progress, stream_batch=stream_batch)
         by_table: dict[int, list[TableChanges]] = {}
         for segment in self.rows.build(transactions, parsed):
             by_table.setdefault(segment.relation.oid, []).append(segment)
@@ -265,8 +261,8 @@ class BatchApplier:
             session = self._thread_sessions.spark = self.spark.newSession()
         return self.apply_table(oid, segments, version, snapshot, session)
 
-    def app_id(self, oid: int, prefix: str | None = None) -> str:
-        return f"{prefix or self.options.pipeline}/{oid}"
+    def app_id(self, oid: int) -> str:
+        return f"{self.options.pipeline}/{oid}"
 
     def target(self, relation: m.Relation, options: TableOptions,
                spark: SparkSession | None = None) -> tuple[Target, bool]:
@@ -365,21 +361,18 @@ class BatchApplier:
         if not options.include:
             return None
         target, registered = self.target(relation, options, spark)
-        app_id = self.app_id(oid, versioning.app_prefix)
+        app_id = self.app_id(oid)
         known = self.target_states.current(target)  # also when the registry was lost: the table holds its state
         writers = known.writers if not snapshot else {}
         done = writers.get(app_id)
         # The target equals the source as of ``done`` when this pipeline alone has written it (or
-        # creates it now) and the version is an LSN, so rows it holds are dropped below: then a key
-        # whose first change in the batch is an insert is not in it. A micro-batch id says nothing
-        # of which rows a frame holds (foreach_batch may be handed the same rows again), so
-        # foreach_batch keeps the MERGE.
-        appendable = versioning.by_lsn and not snapshot and (not known.exists or set(writers) == {app_id})
-        # Rows at or below the pipeline's LSN version (its initial copy, or what ``run`` applied)
-        # are in the target already, whichever path applies this batch: a micro-batch of
-        # ``foreach_batch`` drops them too, or an insert-only table would get them twice.
+        # creates it now), so rows it holds are dropped below: then a key whose first change in the
+        # batch is an insert is not in it.
+        appendable = not snapshot and (not known.exists or set(writers) == {app_id})
+        # Rows at or below the pipeline's LSN version (its initial copy, or what ``run`` or
+        # ``foreach_batch`` applied) are in the target already, or an insert-only table would get them twice.
         return TablePlan(oid, relation, options, target, registered, known, app_id, versioning, snapshot,
-                         lsn_done=writers.get(self.app_id(oid)), appendable=appendable,
+                         lsn_done=done, appendable=appendable,
                          done=done is not None and done >= versioning.version)
 
     def _collapse(self, plan: TablePlan, segments: list[TableChanges], result: TableResult) -> CollapsedBatch | None:
@@ -513,6 +506,8 @@ class BatchApplier:
             metadata["text_columns"] = result.text_columns
         if plan.snapshot and plan.versioning.copy_progress is not None:
             metadata["copy"] = dict(plan.versioning.copy_progress)
+        if plan.versioning.stream_batch is not None:
+            metadata["stream_batch"] = {"query": plan.versioning.stream_batch[0], "batch": plan.versioning.stream_batch[1]}
         if collapsed.truncate is not None:
             metadata["truncate"] = {"lsn": format_lsn(collapsed.truncate.commit_lsn),
                                     "cascade": bool(collapsed.truncate.options & m.TRUNCATE_CASCADE),
@@ -542,7 +537,7 @@ class BatchApplier:
         if changes.ops != {"I"} or len({r.oid for r in changes.relations}) != len(set(changes.relations)):
             return None
         started = time.perf_counter()
-        versioning = Versioning(self.options.pipeline, txn.commit_lsn, by_lsn=True)
+        versioning = Versioning(txn.commit_lsn)
         tables: dict[int, _PiecewiseAppend] = {}
         results: list[TableResult] = []
         for relation in changes.relations:
