@@ -159,6 +159,10 @@ class Snapshotter:
         elif existed and resumed is None:
             target.clear()  # a copy that was cut short, and cannot be resumed
         since = parse_lsn(resumed["since_lsn"]) if resumed else snapshot.consistent_lsn
+        # A resumed copy's rows carry the first snapshot's point too, the version the table gets: a
+        # row changed since is merged again from the stream with its own LSN, and the others' last
+        # change came before that first snapshot.
+        chunk_version = since - 1
         after: list[str] | None = resumed["after"] if resumed else None
         rows = int(resumed["rows"]) if resumed else 0
         if resumed:

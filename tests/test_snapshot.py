@@ -11,9 +11,12 @@ import time
 
 import psycopg
 
+from cdc_apply.lsn import parse_lsn
+
 from cdc_apply.apply.targets import Target
 from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.config import parse_config
+from cdc_apply.lsn import parse_lsn
 from cdc_apply.pipeline import drain
 from tests.delta_oracle import delta_rows, source_types
 from tests.reference_apply import postgres_rows
@@ -99,6 +102,12 @@ def test_a_snapshot_killed_half_way_resumes_where_it_stopped(any_db, spark, tmp_
         history = partial.delta().history().collect()
         assert not any(h.operation == "DELETE" for h in history)  # nothing copied twice: no clear
         assert_delta_equals_postgres(spark, conn, warehouse)
+        # Rows copied before and after the kill, unchanged since, carry the copy's version: the first
+        # snapshot's point, which the "snapshot complete" commit records.
+        complete = next(json.loads(h.userMetadata) for h in history
+                        if h.userMetadata and '"snapshot complete"' in h.userMetadata)
+        untouched = partial.read().where("id <= 30000 AND id % 7 <> 0").select("_cdc_commit_lsn").distinct().collect()
+        assert [r._cdc_commit_lsn for r in untouched] == [parse_lsn(complete["consistent_lsn"]) - 1]
 
 
 def test_a_partitioned_table_published_via_its_root_is_copied_whole(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
