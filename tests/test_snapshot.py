@@ -11,8 +11,6 @@ import time
 
 import psycopg
 
-from cdc_apply.lsn import parse_lsn
-
 from cdc_apply.apply.targets import Target
 from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.config import parse_config
