@@ -353,3 +353,10 @@ def test_foreach_batch_on_capture_rows_needs_no_server(any_db, spark, tmp_path) 
         spark.sparkContext.setLocalProperty("sql.streaming.queryId", None)
     rows = spark.read.format("delta").load(str(tmp_path / "wh2" / "public" / "t")).orderBy("id").collect()
     assert [(r.id, r.v, r.c) for r in rows] == [(1, "a", None), (2, "b", "dflt")]  # as replay: no backfill
+
+
+def test_the_publication_option_names_one_or_several() -> None:
+    from cdc_apply.spark.options import reader_options
+
+    assert reader_options({"publication": "a,b"}).source.publications == ("a,b",)  # a name may hold a comma
+    assert reader_options({"publication": '["orders pub", "audit"]'}).source.publications == ("orders pub", "audit")

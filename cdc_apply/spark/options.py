@@ -40,6 +40,18 @@ def _int_option(name: str, text: str | None) -> int | None:
     return value
 
 
+def _publications(value: str) -> str | list[str]:
+    """One publication name, or several as a JSON array (``'["a", "b"]'``): a name may hold a comma."""
+    if value.startswith("["):
+        try:
+            names = json.loads(value)
+        except ValueError:
+            return value
+        if isinstance(names, list) and all(isinstance(n, str) for n in names):
+            return names
+    return value
+
+
 def reader_options(options: dict[str, str]) -> ReaderOptions:
     """Spark hands options over case-insensitively, as strings."""
     lowered = {key.lower(): value for key, value in options.items()}
@@ -55,7 +67,12 @@ def reader_options(options: dict[str, str]) -> ReaderOptions:
         if key in READER_OPTIONS:
             continue
         name = fields.get(key, key)
-        source_keys[name] = [v.strip() for v in value.split(",") if v.strip()] if name in LIST_KEYS else value
+        if name in LIST_KEYS:
+            source_keys[name] = [v.strip() for v in value.split(",") if v.strip()]
+        elif name == "publication":
+            source_keys[name] = _publications(value)
+        else:
+            source_keys[name] = value
     source = parse_config({"source": source_keys}, "pgoutput option").source
     table = parse_table_name(lowered["table"]) if "table" in lowered else None
     if source.binary and table is None:
