@@ -90,8 +90,9 @@ class SourceConfig(_Strict):
         return (self.publication,) if isinstance(self.publication, str) else tuple(self.publication)
 
     def describe_publications(self) -> str:
-        """How messages name the publications: ``'a'`` or ``'a', 'b'``."""
-        return ", ".join(repr(name) for name in self.publications)
+        """How messages name the publications: ``publication 'a'`` or ``publications 'a', 'b'``."""
+        names = ", ".join(repr(name) for name in self.publications)
+        return f"publication{'s' if len(self.publications) > 1 else ''} {names}"
 
     @model_validator(mode="after")
     def _one_password_source(self) -> SourceConfig:

@@ -38,7 +38,7 @@ def published_oids(config: Config, tables: Sequence[str] | None) -> list[int]:
     names = list(published) if tables is None else list(dict.fromkeys(tables))
     unknown = [name for name in names if name not in published]
     if unknown:
-        raise ConfigError(f"--table: {', '.join(unknown)} not in publication(s) {config.source.describe_publications()} "
+        raise ConfigError(f"--table: {', '.join(unknown)} not in {config.source.describe_publications()} "
                           f"(it has: {', '.join(sorted(published)) or 'no tables'})")
     return [published[name] for name in names]
 

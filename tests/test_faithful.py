@@ -150,6 +150,12 @@ def test_replica_identity_switches_keep_the_target_equal(any_db, spark, tmp_path
             assert delta_rows(spark, f"{warehouse}/public/bag", ["a", "b"], source_types(conn, "public.bag")) == \
                 postgres_rows(conn, "public.bag", ["a", "b"])
 
+        def check_rekeyed_inside_the_batch(table: str, before: list[str], after: list[str]) -> None:
+            caplog.clear()
+            with caplog.at_level("INFO", logger="cdc_apply.apply.batch"):
+                check()
+            assert f"public.{table}: re-keyed from {before} to {after} inside the batch" in caplog.text
+
         check()
         # One batch: DEFAULT -> FULL -> DEFAULT, changes under each.
         conn.execute("UPDATE ri SET v = -v WHERE id <= 2")
@@ -169,9 +175,7 @@ def test_replica_identity_switches_keep_the_target_equal(any_db, spark, tmp_path
         conn.execute("UPDATE bag SET b = 'keyed' WHERE a IN (1, 2)")
         conn.execute("DELETE FROM bag WHERE a = 4")
         conn.execute("INSERT INTO bag VALUES (3, 'again')")
-        with caplog.at_level("INFO", logger="cdc_apply.apply.batch"):
-            check()
-        assert "public.bag: re-keyed from ['a', 'b'] to ['a'] inside the batch" in caplog.text
+        check_rekeyed_inside_the_batch("bag", ["a", "b"], ["a"])
 
         # Across batches: FULL, then changes, then DEFAULT.
         conn.execute("ALTER TABLE ri REPLICA IDENTITY FULL")
@@ -193,10 +197,7 @@ def test_replica_identity_switches_keep_the_target_equal(any_db, spark, tmp_path
         conn.execute("DELETE FROM ri WHERE code = 'c14'")
         conn.execute("UPDATE ri SET id = 60 WHERE code = 'c15'")
         conn.execute("INSERT INTO ri VALUES (12, 'new12', 12, 'by code')")
-        caplog.clear()
-        with caplog.at_level("INFO", logger="cdc_apply.apply.batch"):
-            check()
-        assert "public.ri: re-keyed from ['id'] to ['code'] inside the batch" in caplog.text
+        check_rekeyed_inside_the_batch("ri", ["id"], ["code"])
         # Across batches: back to DEFAULT, then USING INDEX again.
         conn.execute("ALTER TABLE ri REPLICA IDENTITY DEFAULT")
         conn.execute("UPDATE ri SET code = 'c16b' WHERE id = 16")

@@ -142,9 +142,9 @@ class HealthMonitor:
                                "since changes made without it were not sent")
         if self.tables is not None:
             for oid in sorted(self.tables.keys() - tables.keys()):
-                log.warning("table %s left publication(s) %s: its target no longer receives changes. To follow it "
+                log.warning("table %s left publication %s: its target no longer receives changes. To follow it "
                             "again: ALTER PUBLICATION %s ADD TABLE %s, then `cdc-apply resync --table %s`",
-                            self.tables[oid], source.describe_publications(), source.publications[0],
+                            self.tables[oid], ", ".join(source.publications), source.publications[0],
                             self.tables[oid], self.tables[oid])
         self.tables = tables
         self._check_retained(health)
