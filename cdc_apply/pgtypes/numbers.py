@@ -237,8 +237,7 @@ def _numeric_value(text: str, typmod: int) -> Decimal | str:
         return text
     if text in ("NaN", "Infinity", "-Infinity"):
         raise UnrepresentableValueError(
-            f"numeric value {text} does not fit Spark decimal (column typmod {typmod}); "
-            "map the column to string to keep it")
+            f"numeric value {text} does not fit Spark decimal (column typmod {typmod})")
     if not NUMERIC_TEXT.fullmatch(text):
         raise ValueConversionError(f"not a numeric: {text[:40]!r}")
     value = Decimal(text)
