@@ -53,6 +53,9 @@ class SourceConfig(_Strict):
     # One publication or several, as CREATE SUBSCRIPTION ... PUBLICATION a, b takes them.
     publication: str | list[str] = "cdc_apply"
     create_slot: bool = True
+    # PostgreSQL 17+: the slot is a failover slot, which a standby with sync_replication_slots keeps a
+    # copy of, so the pipeline carries on from it after a promotion (docs/operations.md, "Failover").
+    failover: bool = True
     create_publication: bool = False
     publication_tables: list[str] | None = None  # for create_publication; None means FOR ALL TABLES
     proto_version: int | None = Field(None, ge=1, le=4)  # None: the highest the server speaks

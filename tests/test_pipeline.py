@@ -186,3 +186,33 @@ def test_json_logs_are_structured_and_never_show_the_password(db18, tmp_path) ->
     broken.write_text(json.dumps({"source": {"dsn": "host=127.0.0.1 port=1 password=hunter2 connect_timeout=2"}}))
     failed = _cli("--log-format", "json", "status", "--config", str(broken))
     assert failed.returncode != 0 and "hunter2" not in failed.stdout + failed.stderr
+
+
+def test_slots_are_failover_slots_where_the_server_has_them(any_db, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """PostgreSQL 17+: the slot is created as a failover slot, an existing one is switched over,
+    ``status`` shows ``failover`` and ``synced``, and a start without synchronized_standby_slots
+    warns naming it. Before 17, the log says a failover means a re-copy, and how."""
+    from cdc_apply.pipeline import prepare_source
+    from cdc_apply.sources.slot import create_slot
+
+    server, dbname = any_db
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute(SCHEMA)
+        newer = conn.info.server_version >= 170000
+        create_slot(conn, "old")  # an ordinary slot, as earlier versions of cdc_apply made them
+    for slot in ("shop", "old"):
+        config = _config(server, dbname, str(tmp_path), slot=slot, two_phase=False)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="cdc_apply.sources.preflight"):
+            prepare_source(config)
+        status = pipeline_status(config)["slot"]
+        if newer:
+            assert (status["failover"], status["synced"]) == (True, False), slot
+            assert f"slot {slot} is a failover slot, but synchronized_standby_slots is empty" in caplog.text
+        else:
+            assert (status["failover"], status["synced"]) == (None, None)
+            assert "after a failover, create the slot on the new primary and copy every table again " \
+                   "(`cdc-apply resync --config <file> --all`)" in caplog.text
+    config = _config(server, dbname, str(tmp_path), slot="plain", failover=False)
+    prepare_source(config)
+    assert pipeline_status(config)["slot"]["failover"] is (False if newer else None)

@@ -24,6 +24,7 @@ import psycopg
 
 from cdc_apply.config import SourceConfig
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.sources.slot import FAILOVER_SLOTS_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +49,22 @@ class SlotHealth:
     unconfirmed_bytes: int | None = None  # WAL written since the slot's confirmed position
     safe_wal_size: int | None = None  # bytes left before max_slot_wal_keep_size invalidates it
     two_phase: bool | None = None
+    failover: bool | None = None  # a failover slot (PostgreSQL 17+; None before)
+    synced: bool | None = None  # a copy a standby synchronized from its primary (PostgreSQL 17+)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
 def read_slot_health(conn: psycopg.Connection, slot: str) -> SlotHealth:
-    has_reason = int(conn.info.server_version) >= 170000
+    v17 = int(conn.info.server_version) >= FAILOVER_SLOTS_VERSION
     current = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
     row = conn.execute(
-        "SELECT wal_status, " + ("invalidation_reason" if has_reason else "NULL::text") + ", active_pid, "
+        "SELECT wal_status, " + ("invalidation_reason" if v17 else "NULL::text") + ", active_pid, "
         "restart_lsn::text, confirmed_flush_lsn::text, "
         "pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint, "
-        "pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, safe_wal_size, two_phase "
+        "pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, safe_wal_size, two_phase, "
+        + ("failover, synced " if v17 else "NULL::bool, NULL::bool ") +
         "FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
     if row is None:
         return SlotHealth(slot, False, current)

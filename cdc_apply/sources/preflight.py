@@ -15,7 +15,7 @@ from psycopg import sql
 from cdc_apply.config import SourceConfig
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.sources.health import missing_publications
-from cdc_apply.sources.slot import PgOutputOptions, create_slot
+from cdc_apply.sources.slot import FAILOVER_SLOTS_VERSION, PgOutputOptions, create_slot
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +76,44 @@ def ensure_publication_and_slot(conn: psycopg.Connection, source: SourceConfig) 
         else:
             conn.execute(sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(sql.Identifier(publication)))
         log.info("created publication %s", publication)
-    row = conn.execute("SELECT plugin, two_phase FROM pg_replication_slots WHERE slot_name = %s",
-                       (source.slot,)).fetchone()
+    failover_slots = int(conn.info.server_version) >= FAILOVER_SLOTS_VERSION
+    failover = source.failover and failover_slots
+    row = conn.execute("SELECT plugin, " + ("failover" if failover_slots else "false") +
+                       " FROM pg_replication_slots WHERE slot_name = %s", (source.slot,)).fetchone()
+    created = row is None
     if row is None:
         if not source.create_slot:
             raise PreflightError(f"replication slot {source.slot!r} does not exist; create it or set "
                                  "source.create_slot: true")
-        create_slot(conn, source.slot, two_phase=source.two_phase)
-        log.info("created slot %s (two_phase=%s)", source.slot, source.two_phase)
-        return True
-    if row[0] != "pgoutput":
+        create_slot(conn, source.slot, two_phase=source.two_phase, failover=failover)
+        log.info("created slot %s (two_phase=%s, failover=%s)", source.slot, source.two_phase, failover)
+    elif row[0] != "pgoutput":
         raise PreflightError(f"source.slot: slot {source.slot!r} uses plugin {row[0]!r}, not pgoutput")
-    return False
+    elif failover and not row[1]:
+        _switch_to_failover(source)
+    _say_what_a_failover_does(conn, source, failover_slots)
+    return created
+
+
+def _switch_to_failover(source: SourceConfig) -> None:
+    """An existing slot made a failover slot (PostgreSQL 17+), which only a replication command does."""
+    with psycopg.connect(source.conninfo(), autocommit=True, replication="database") as replication:
+        replication.execute(sql.SQL("ALTER_REPLICATION_SLOT {} (FAILOVER true)").format(sql.Identifier(source.slot)))
+    log.info("slot %s is a failover slot now (source.failover)", source.slot)
+
+
+def _say_what_a_failover_does(conn: psycopg.Connection, source: SourceConfig, failover_slots: bool) -> None:
+    """At each start: whether a promoted standby could carry the slot on (docs/operations.md, "Failover")."""
+    if not failover_slots:
+        log.info("PostgreSQL %s keeps logical slots on the primary only: after a failover, create the slot on the "
+                 "new primary and copy every table again (`cdc-apply resync --config <file> --all`)",
+                 conn.info.server_version // 10000)
+    elif not source.failover:
+        log.info("slot %s is not a failover slot (source.failover: false): after a failover, `cdc-apply resync "
+                 "--config <file> --all` copies every table again", source.slot)
+    elif not conn.execute("SELECT current_setting('synchronized_standby_slots')").fetchone()[0]:  # type: ignore[index]
+        log.warning("slot %s is a failover slot, but synchronized_standby_slots is empty on this server: a standby "
+                    "may be promoted without the changes this pipeline has read. Set it to the standby's physical "
+                    "slot, and sync_replication_slots = on on the standby (docs/operations.md, \"Failover\")",
+                    source.slot)
 

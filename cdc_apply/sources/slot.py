@@ -43,12 +43,18 @@ class PgOutputOptions:
         return pairs
 
 
-def create_slot(conn: psycopg.Connection, slot: str, *, two_phase: bool = False, temporary: bool = False) -> int:
-    """Create a pgoutput slot; returns its consistent point LSN."""
-    row = conn.execute(
-        "SELECT lsn FROM pg_create_logical_replication_slot(%s, 'pgoutput', %s, %s)",
-        (slot, temporary, two_phase),
-    ).fetchone()
+FAILOVER_SLOTS_VERSION = 170000  # failover slots and their synchronization to standbys
+
+
+def create_slot(conn: psycopg.Connection, slot: str, *, two_phase: bool = False, temporary: bool = False,
+                failover: bool = False) -> int:
+    """Create a pgoutput slot; returns its consistent point LSN. ``failover`` needs PostgreSQL 17+."""
+    if failover:
+        row = conn.execute("SELECT lsn FROM pg_create_logical_replication_slot(%s, 'pgoutput', %s, %s, true)",
+                           (slot, temporary, two_phase)).fetchone()
+    else:
+        row = conn.execute("SELECT lsn FROM pg_create_logical_replication_slot(%s, 'pgoutput', %s, %s)",
+                           (slot, temporary, two_phase)).fetchone()
     assert row is not None
     return parse_lsn(row[0])
 
