@@ -138,6 +138,37 @@ class PgServer:
         self._started = True
         return self
 
+    def start_standby_of(self, primary: PgServer, slot: str) -> PgServer:
+        """A physical standby of ``primary`` (a base backup streaming through the physical ``slot``,
+        created now) that keeps copies of the primary's failover slots (PostgreSQL 17+)."""
+        user = _service_user()
+        self.root = Path(tempfile.mkdtemp(prefix="cdc_apply_pg_"))
+        os.chmod(self.root, 0o755)
+        self.datadir.mkdir(mode=0o700)
+        if user is not None:
+            os.chown(self.datadir, user.pw_uid, user.pw_gid)
+        self.port = self.port or free_port()
+        # -R writes primary_conninfo (with the dbname slot synchronization needs) and primary_slot_name
+        self._run(["pg_basebackup", "-D", str(self.datadir), "-d", primary.dsn, "-R", "-C", "-S", slot,
+                   "-X", "stream", "--no-sync"], user)
+        conf = {"port": str(self.port), "unix_socket_directories": f"'{self.datadir}'",
+                "sync_replication_slots": "on", "hot_standby_feedback": "on", **self.settings}
+        with open(self.datadir / "postgresql.auto.conf", "a", encoding="utf-8") as handle:
+            handle.writelines(f"{key} = {value}\n" for key, value in conf.items())
+        self._run(["pg_ctl", "-D", str(self.datadir), "-l", str(self.datadir / "server.log"), "-w", "-t", "60",
+                   "start"], user)
+        self._started = True
+        return self
+
+    def promote(self) -> None:
+        """A standby becomes a primary."""
+        self._run(["pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "promote"], _service_user())
+
+    def crash(self) -> None:
+        """The server stops as if killed: no shutdown checkpoint, clients cut off."""
+        self._run(["pg_ctl", "-D", str(self.datadir), "-m", "immediate", "-w", "-t", "30", "stop"], _service_user())
+        self._started = False
+
     def restart(self, mode: str = "fast") -> None:
         """``mode="immediate"`` is a crash: no shutdown checkpoint, recovery on start."""
         self._run(["pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-m", mode, "restart",

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from cdc_apply.apply.batch import BatchApplier
+from cdc_apply.apply.delta_log import writer_versions
 from cdc_apply.apply.options import apply_options
+from cdc_apply.apply.targets import TargetRegistry
 from cdc_apply.assemble import Transaction
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
@@ -28,7 +30,7 @@ from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.snapshot import Snapshotter
 from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.health import HealthMonitor
-from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
+from cdc_apply.sources.preflight import PreflightError, check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.sources.slot import (
     PgOutputOptions, advance_slot, confirmed_flush, current_wal_lsn, read_changes, server_version_num,
 )
@@ -44,18 +46,41 @@ def _has_configured_keys(config: Config) -> Callable[[str, str], bool]:
     return lambda schema, table: bool(options.for_table(schema, table).keys)
 
 
-def _prepare(conn: psycopg.Connection, config: Config, health: HealthMonitor | None = None) -> PgOutputOptions:
+def _prepare(conn: psycopg.Connection, config: Config, health: HealthMonitor | None = None,
+             new_slot: bool = False) -> PgOutputOptions:
     """Check the source, create what the config asks for, check the slot's health (with the runner's
-    own monitor when it keeps one, so its metrics see this first check), and choose the protocol options."""
+    own monitor when it keeps one, so its metrics see this first check), and choose the protocol options.
+    ``new_slot``: a missing slot may be created though the targets hold changes (``resync --all``)."""
     check_source(conn, config.source, _has_configured_keys(config))
+    if not new_slot:
+        _refuse_a_slot_that_would_skip_changes(conn, config)
     ensure_publication_and_slot(conn, config.source)
     (health or HealthMonitor(config.source)).check(conn, starting=True)
     return protocol_options(config.source, server_version_num(conn))
 
 
-def prepare_source(config: Config, health: HealthMonitor | None = None) -> PgOutputOptions:
+def prepare_source(config: Config, health: HealthMonitor | None = None, *, new_slot: bool = False) -> PgOutputOptions:
     with psycopg.connect(config.source.conninfo(), autocommit=True) as conn:
-        return _prepare(conn, config, health)
+        return _prepare(conn, config, health, new_slot)
+
+
+def _refuse_a_slot_that_would_skip_changes(conn: psycopg.Connection, config: Config) -> None:
+    """A missing slot is created only for a pipeline whose targets hold none of its changes yet: a new
+    slot starts now, so every change since what the targets hold would be lost without a word (a
+    failover to a server without a synced copy of the slot, a dropped slot). Catalog targets
+    (``tables.<t>.name``) are not read here."""
+    source = config.source
+    if conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (source.slot,)).fetchone():
+        return
+    for oid, entry in sorted(TargetRegistry(config.target.warehouse).entries().items()):
+        writer = None if entry["by_name"] else writer_versions(entry["location"]).get(f"{config.pipeline}/{oid}")
+        if writer is not None:
+            raise PreflightError(
+                f"replication slot {source.slot!r} does not exist on {source.describe()}, but this pipeline's targets "
+                f"hold its changes ({entry['schema']}.{entry['table']} up to LSN {format_lsn(writer.version)}): a new "
+                "slot would start now and miss every change since. After a failover to a server without a synced "
+                "copy of the slot, or a dropped slot: `cdc-apply resync --config <file> --all` creates the slot and "
+                "copies every table again (docs/operations.md, \"Failover\")")
 
 
 def _slot_advancer(conn: psycopg.Connection, config: Config, summary: RunSummary | None = None) -> Callable[[int], None]:

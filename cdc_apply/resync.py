@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 def published_oids(config: Config, tables: Sequence[str] | None) -> list[int]:
     """The relation OIDs of ``tables`` (``schema.table``; None: every published table). Checks the
     source and creates the slot first when it is missing (after an invalidated one was dropped)."""
-    prepare_source(config)
+    prepare_source(config, new_slot=tables is None)  # only a copy of every table makes up for a new slot
     with psycopg.connect(config.source.conninfo(), autocommit=True) as conn:
         published = {name: oid for oid, name in (publication_tables(conn, config.source.publications) or {}).items()}
     names = list(published) if tables is None else list(dict.fromkeys(tables))

@@ -1,0 +1,123 @@
+"""A failover on PostgreSQL 18: a primary, a physical standby that synchronizes the pipeline's
+failover slot, a crash of the primary and a promotion. ``source.dsn`` lists both hosts with
+``target_session_attrs=read-write``: the next run finds the new primary and its synced slot, the
+transactions the synced slot sends again are skipped by the targets' versions, and every target
+equals the new primary (read by Spark and delta-rs), the keyless table showing nothing twice. A
+pipeline with an ordinary slot stops with the recovery named, and that recovery ends equal."""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+import pytest
+
+from cdc_apply.config import parse_config
+from cdc_apply.lsn import parse_lsn
+from cdc_apply.pgserver import PgServer, available_bindirs
+from cdc_apply.pipeline import drain
+from cdc_apply.resync import published_oids, resync
+from cdc_apply.sources.preflight import PreflightError
+from cdc_apply.status import pipeline_status
+from tests.delta_oracle import delta_rows, source_types
+from tests.reference_apply import postgres_rows
+
+TABLES = {"public.accounts": ["id", "balance"], "public.journal": ["n", "note"]}
+
+
+def _wait_for(what: str, check, timeout: float = 60) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+
+
+def _synced_up_to(standby: PgServer, primary: PgServer, slot: str) -> bool:
+    """The standby's copy of the slot is synchronized and at the primary's confirmed position."""
+    with psycopg.connect(primary.dsn, autocommit=True) as conn:
+        wanted = conn.execute("SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = %s",
+                              (slot,)).fetchone()
+    with psycopg.connect(standby.dsn, autocommit=True) as conn:
+        copy = conn.execute("SELECT synced, confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = %s",
+                            (slot,)).fetchone()
+    return copy is not None and copy[0] and copy[1] == wanted[0]
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(600)
+def test_a_promoted_standby_carries_the_failover_slot_on_exactly_once(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    primary = PgServer(bindir=available_bindirs()["pg18"]).start()
+    standby = PgServer(bindir=primary.bindir)
+    try:
+        standby.start_standby_of(primary, "standby1")
+        with psycopg.connect(primary.dsn, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET synchronized_standby_slots = 'standby1'")
+            conn.execute("SELECT pg_reload_conf()")
+            conn.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance int)")
+            conn.execute("CREATE TABLE journal (n int, note text)")
+            conn.execute("ALTER TABLE journal REPLICA IDENTITY NOTHING")
+            conn.execute("CREATE PUBLICATION pub FOR TABLE accounts, journal")
+            conn.execute("INSERT INTO accounts SELECT g, 100 FROM generate_series(1, 20) g")
+        both = (f"host=127.0.0.1,127.0.0.1 port={primary.port},{standby.port} user=postgres dbname=postgres "
+                "target_session_attrs=read-write")
+        warehouse = str(tmp_path / "wh")
+        config = parse_config({"pipeline": "fo", "source": {"dsn": both, "slot": "fo", "publication": "pub"},
+                               "target": {"warehouse": warehouse}})
+        drain(config, spark)  # the copy, and the slot created as a failover slot
+        plain_warehouse = str(tmp_path / "plain")
+        plain = parse_config({"pipeline": "plain", "source": {"dsn": both, "slot": "plain", "publication": "pub",
+                                                              "failover": False},
+                              "target": {"warehouse": plain_warehouse}})
+        drain(plain, spark)  # an ordinary slot: the standby keeps no copy of it
+
+        def work(conn: psycopg.Connection, n: int) -> None:
+            conn.execute("UPDATE accounts SET balance = balance + %s WHERE id %% 4 = %s", (n, n % 4))
+            conn.execute("INSERT INTO journal VALUES (%s, 'entry')", (n,))
+
+        with psycopg.connect(primary.dsn, autocommit=True) as conn:
+            for n in range(1, 6):
+                work(conn, n)
+        drain(config, spark)
+        _wait_for("the standby's synced slot", lambda: _synced_up_to(standby, primary, "fo"))
+        status = pipeline_status(config)["slot"]
+        assert (status["failover"], status["synced"]) == (True, False)  # the primary's own slot
+        with psycopg.connect(standby.dsn, autocommit=True) as conn:  # the standby's copy stays here
+            conn.execute("ALTER SYSTEM SET sync_replication_slots = off")
+            conn.execute("SELECT pg_reload_conf()")
+        with psycopg.connect(primary.dsn, autocommit=True) as conn:
+            for n in range(6, 10):  # committed, replicated to the standby, not yet applied
+                work(conn, n)
+            lsn = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+        _wait_for("the standby's replay", lambda: psycopg.connect(standby.dsn, autocommit=True).execute(
+            "SELECT pg_last_wal_replay_lsn() >= %s", (lsn,)).fetchone()[0])
+        # A run applies them, but the standby's copy of the slot is behind: the new primary sends
+        # them again, and the targets' versions skip them.
+        applied = drain(config, spark).confirmed_lsn
+        primary.crash()
+        standby.promote()
+        with psycopg.connect(standby.dsn, autocommit=True) as conn:
+            _wait_for("the promotion", lambda: not conn.execute("SELECT pg_is_in_recovery()").fetchone()[0])
+            behind = conn.execute("SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = 'fo'").fetchone()
+            assert behind is not None and parse_lsn(str(behind[0])) < applied  # the synced copy survived the promotion
+            for n in range(10, 14):
+                work(conn, n)
+            summary = drain(config, spark)  # through the host list: the new primary
+            assert summary.batches
+            for name, columns in TABLES.items():
+                assert delta_rows(spark, f"{warehouse}/{name.replace('.', '/')}", columns,
+                                  source_types(conn, name)) == postgres_rows(conn, name, columns), name
+            journal = [r.n for r in spark.read.format("delta").load(f"{warehouse}/public/journal").collect()]
+            assert sorted(journal) == list(range(1, 14))  # nothing lost, nothing twice
+
+            # Without a failover slot: a clear stop, never a new slot that skips changes; then the recovery.
+            with pytest.raises(PreflightError, match=r"replication slot 'plain' does not exist on .* a new slot would "
+                                                     r"start now and miss every change since.*resync --config <file> --all"):
+                drain(plain, spark)
+            resync(plain, spark, published_oids(plain, None))
+            drain(plain, spark)
+            for name, columns in TABLES.items():
+                assert delta_rows(spark, f"{plain_warehouse}/{name.replace('.', '/')}", columns,
+                                  source_types(conn, name)) == postgres_rows(conn, name, columns), name
+    finally:
+        standby.stop()
+        primary.stop()
