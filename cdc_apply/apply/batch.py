@@ -448,7 +448,10 @@ class BatchApplier:
             collapser.add_key(state.keys)  # an insert-only table got a key, or a whole-row key grew
             return collapser
         states = collapser.result.states
-        wanted = {*states, *(s.source_key for s in states.values() if s.from_target and s.source_key is not None)}
+        # The old keys' target rows tell their new keys, unless the old key holds the new one (a
+        # whole-row key, a key that shrank); TOAST values a row takes from the target are read too.
+        projected = set(state.keys) <= set(collapser.key_columns)
+        wanted = {*(s.source_key or key for key, s in states.items() if s.from_target), *(() if projected else states)}
         rows = fetch_target_rows(plan.target, collapser.key_columns, wanted) if plan.known.exists else {}
         log.info("%s: re-keyed from %s to %s inside the batch", plan.qualified, list(collapser.key_columns),
                  list(state.keys))
