@@ -97,8 +97,14 @@ def ensure_publication_and_slot(conn: psycopg.Connection, source: SourceConfig) 
 
 def _switch_to_failover(source: SourceConfig) -> None:
     """An existing slot made a failover slot (PostgreSQL 17+), which only a replication command does."""
-    with psycopg.connect(source.conninfo(), autocommit=True, replication="database") as replication:
-        replication.execute(sql.SQL("ALTER_REPLICATION_SLOT {} (FAILOVER true)").format(sql.Identifier(source.slot)))
+    try:
+        with psycopg.connect(source.conninfo(), autocommit=True, replication="database") as replication:
+            replication.execute(sql.SQL("ALTER_REPLICATION_SLOT {} (FAILOVER true)").format(
+                sql.Identifier(source.slot)))
+    except psycopg.Error as exc:  # in use by another process, say: the health check judges that next
+        log.warning("slot %s could not be made a failover slot (source.failover): %s", source.slot,
+                    " ".join(str(exc).split()))
+        return
     log.info("slot %s is a failover slot now (source.failover)", source.slot)
 
 
