@@ -2,8 +2,11 @@
 
 For values the mapped type cannot hold: NaN or ±Infinity in a ``numeric(p,s)``, a multi-dimensional
 array. Text-format values are the text itself. Binary-format values are rendered as PostgreSQL's
-output function would print them: numeric exactly; arrays as array literals of their elements;
-other types by their JSON rendering (docs/types.md).
+output function would print them: the types whose carried value prints otherwise (numeric, bytea,
+floats, money in the C locale, interval in IntervalStyle postgres) by their own renderer
+(``_BINARY_AS_TEXT``), arrays as array literals of their elements, other types by their JSON
+rendering, which is their text (docs/types.md). Floats print the shortest text that reads back as
+the same value, which may differ from PostgreSQL's only in spelling (``1000000000000000`` for ``1e+15``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def _float4_text(value: float) -> str:
     for digits in range(1, 10):  # the shortest decimal that reads back as this float4
         text = f"{value:.{digits}g}"
         if struct.unpack("!f", struct.pack("!f", float(text)))[0] == value:
-            return _float_text(float(text)) if "e" not in text else text.replace("e+0", "e+").replace("e-0", "e-")
+            return _float_text(float(text)) if "e" not in text else text  # exponents of 2+ digits, as float4out
     return _float_text(value)
 
 
