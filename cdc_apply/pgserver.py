@@ -19,6 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -113,6 +114,21 @@ class PgServer:
         return " ".join(parts)
 
     def start(self) -> PgServer:
+        return self._start(lambda datadir: ["initdb", "-D", str(datadir), "-U", "postgres", "--auth=trust",
+                                            "--encoding=UTF8", "--locale=C", "--no-sync"],
+                           "postgresql.conf", LOGICAL_SETTINGS)
+
+    def start_standby_of(self, primary: PgServer, slot: str) -> PgServer:
+        """A physical standby of ``primary`` (a base backup streaming through the physical ``slot``,
+        created now) that keeps copies of the primary's failover slots (PostgreSQL 17+)."""
+        # -R writes primary_conninfo (with the dbname slot synchronization needs) and primary_slot_name
+        return self._start(lambda datadir: ["pg_basebackup", "-D", str(datadir), "-d", primary.dsn, "-R", "-C",
+                                            "-S", slot, "-X", "stream", "--no-sync"],
+                           "postgresql.auto.conf", {"sync_replication_slots": "on", "hot_standby_feedback": "on"})
+
+    def _start(self, make_datadir: Callable[[Path], list[str]], conf_file: str, base: dict[str, str]) -> PgServer:
+        """A data directory made by ``make_datadir`` (initdb, a base backup), ``base`` settings plus the
+        port, socket directory and ``self.settings`` appended to ``conf_file``, and the server started."""
         user = _service_user()
         self.root = Path(tempfile.mkdtemp(prefix="cdc_apply_pg_"))
         os.chmod(self.root, 0o755)
@@ -120,14 +136,9 @@ class PgServer:
         if user is not None:
             os.chown(self.datadir, user.pw_uid, user.pw_gid)
         self.port = self.port or free_port()
-        self._run(
-            ["initdb", "-D", str(self.datadir), "-U", "postgres", "--auth=trust", "--encoding=UTF8",
-             "--locale=C", "--no-sync"],
-            user,
-        )
-        conf = {**LOGICAL_SETTINGS, "port": str(self.port), "unix_socket_directories": f"'{self.datadir}'",
-                **self.settings}
-        with open(self.datadir / "postgresql.conf", "a", encoding="utf-8") as handle:
+        self._run(make_datadir(self.datadir), user)
+        conf = {**base, "port": str(self.port), "unix_socket_directories": f"'{self.datadir}'", **self.settings}
+        with open(self.datadir / conf_file, "a", encoding="utf-8") as handle:
             handle.write("\n# cdc_apply throwaway server\n")
             handle.writelines(f"{key} = {value}\n" for key, value in conf.items())
         self._run(
@@ -135,28 +146,6 @@ class PgServer:
              "start"],
             user,
         )
-        self._started = True
-        return self
-
-    def start_standby_of(self, primary: PgServer, slot: str) -> PgServer:
-        """A physical standby of ``primary`` (a base backup streaming through the physical ``slot``,
-        created now) that keeps copies of the primary's failover slots (PostgreSQL 17+)."""
-        user = _service_user()
-        self.root = Path(tempfile.mkdtemp(prefix="cdc_apply_pg_"))
-        os.chmod(self.root, 0o755)
-        self.datadir.mkdir(mode=0o700)
-        if user is not None:
-            os.chown(self.datadir, user.pw_uid, user.pw_gid)
-        self.port = self.port or free_port()
-        # -R writes primary_conninfo (with the dbname slot synchronization needs) and primary_slot_name
-        self._run(["pg_basebackup", "-D", str(self.datadir), "-d", primary.dsn, "-R", "-C", "-S", slot,
-                   "-X", "stream", "--no-sync"], user)
-        conf = {"port": str(self.port), "unix_socket_directories": f"'{self.datadir}'",
-                "sync_replication_slots": "on", "hot_standby_feedback": "on", **self.settings}
-        with open(self.datadir / "postgresql.auto.conf", "a", encoding="utf-8") as handle:
-            handle.writelines(f"{key} = {value}\n" for key, value in conf.items())
-        self._run(["pg_ctl", "-D", str(self.datadir), "-l", str(self.datadir / "server.log"), "-w", "-t", "60",
-                   "start"], user)
         self._started = True
         return self
 
