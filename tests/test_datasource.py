@@ -114,6 +114,10 @@ def test_a_batch_replayed_with_its_id_is_skipped(db18, spark, tmp_path) -> None:
     assert [h.operation for h in history if h.operation in ("MERGE", "WRITE")] == ["WRITE"]  # new rows: appended
     assert '"stream_batch": {"batch": 0, "query": "query-1"}' in next(h.userMetadata for h in history
                                                                    if h.operation == "WRITE")
+    with psycopg.connect(conninfo, autocommit=True) as conn:  # both targets, read by Spark and delta-rs
+        for table, columns in (("t", ["id", "n"]), ("log", ["n"])):
+            assert delta_rows(spark, f"{warehouse}/public/{table}", columns, source_types(conn, f"public.{table}")) \
+                == postgres_rows(conn, f"public.{table}", columns), table
 
 
 def test_batch_reads_equal_decode_and_do_not_consume_the_slot(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
