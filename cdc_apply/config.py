@@ -41,6 +41,11 @@ def _identifier_length(value: str, what: str) -> str:
     return value
 
 
+# libpq settings every source connection gets unless the DSN sets them (docs/operations.md, "Failover").
+TCP_DEFAULTS = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval": "5", "keepalives_count": "3",
+                "tcp_user_timeout": "30000"}
+
+
 class SourceConfig(_Strict):
     dsn: str | None = None
     host: str = "127.0.0.1"
@@ -69,6 +74,9 @@ class SourceConfig(_Strict):
     max_retained_wal: ByteSize | None = Field(None, ge=1, le=2**62)  # bytes, or "20GB", "512MiB"
     on_retained_wal: Literal["warn", "stop"] = "warn"
     health_interval_seconds: float = Field(30.0, gt=0, le=MAX_SECONDS)
+    # How often `run --follow` reports its position to the walsender and asks for a reply; a stream
+    # silent for 3 of these counts as stalled and is reconnected (docs/operations.md, "Failover").
+    status_interval_seconds: float = Field(10.0, gt=0, le=MAX_SECONDS)
 
     @field_validator("slot")
     @classmethod
@@ -116,15 +124,22 @@ class SourceConfig(_Strict):
         return None
 
     def conninfo(self) -> str:
-        """A libpq connection string. The password never appears in logs: log ``describe()``."""
-        from psycopg.conninfo import make_conninfo
+        """A libpq connection string. The password never appears in logs: log ``describe()``.
+
+        TCP keepalives and ``tcp_user_timeout`` are on unless the DSN sets them: a connection whose
+        network path died fails within about 30 s instead of the kernel's 15 minutes."""
+        from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
         if self.dsn:
             base = make_conninfo(self.dsn)
         else:
             base = make_conninfo(host=self.host, port=self.port, dbname=self.dbname, user=self.user)
+        given = conninfo_to_dict(base)
+        extra = {key: value for key, value in TCP_DEFAULTS.items() if key not in given}
         password = self.password()
-        return make_conninfo(base, password=password) if password else base
+        if password:
+            extra["password"] = password
+        return make_conninfo(base, **extra) if extra else base
 
     def describe(self) -> str:
         if self.dsn:

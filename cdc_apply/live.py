@@ -11,6 +11,8 @@ What this driver adds:
   next one (the core's "receive while writing"). Only this thread uses the replication
   connection: it sends every status update, also while it waits for a write at
   ``max_changes``, so a long MERGE does not trip ``wal_sender_timeout``.
+- A stream silent for ``STALL_INTERVALS`` status intervals counts as lost (``sources.walsender``), and
+  reconnects go through ``source.dsn``'s host list with a backoff capped at ``BACKOFF_MAX_S``.
 - Slot health (``sources.health``) is checked before each replication connection and every
   ``source.health_interval_seconds`` while it is open; an unusable slot stops the run, it is never
   retried. Every status update sent is the metrics' liveness beat (``/healthz``).
@@ -41,19 +43,20 @@ from cdc_apply.snapshot import Snapshotter
 from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sources.raw import RawMessage
-from cdc_apply.sources.slot import PgOutputOptions, wait_until_caught_up
+from cdc_apply.sources.slot import PgOutputOptions, release_stalled_reader, wait_until_caught_up
 from cdc_apply.sources.snapshot import SnapshotLost
-from cdc_apply.sources.walsender import StreamLost, WalSenderStream
+from cdc_apply.sources.walsender import STALL_INTERVALS, StreamLost, WalSenderStream
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
 
-STATUS_INTERVAL_S = 10.0
 WRITER_POLL_S = 0.05  # how often the receive loop looks at a running write
 BACKOFF_START_S = 0.5
-BACKOFF_MAX_S = 30.0
+# Reconnect attempts are cheap and a failover is waiting on them: after a promotion the new primary
+# is found within this many seconds (docs/operations.md, "Failover").
+BACKOFF_MAX_S = 5.0
 
 
 class LiveReplicator:
@@ -62,12 +65,13 @@ class LiveReplicator:
         self.stop = stop
         self.applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(config.source.conninfo()).missing_value)
         self.snapshotter = Snapshotter(config, self.applier)
-        self.metrics = PipelineMetrics(config.pipeline, STATUS_INTERVAL_S)
+        self.metrics = PipelineMetrics(config.pipeline, config.source.status_interval_seconds)
         self.metrics_server: MetricsServer | None = None
         self.health = HealthMonitor(config.source, self.metrics)
         self.summary = RunSummary(metrics=self.metrics)
         self.sink = DeltaSink(self.applier, self.summary, self.snapshotter)
         self.confirmed = 0
+        self.previous_reader: tuple[str, int, int] | None = None  # host, port, backend PID of the last stream
 
     def run(self) -> RunSummary:
         if self.config.metrics.port is not None:
@@ -110,12 +114,15 @@ class LiveReplicator:
         source, batching = self.config.source, self.config.batching
         health_conn = psycopg.connect(source.conninfo(), autocommit=True, connect_timeout=10)
         try:
+            self._release_previous_reader(health_conn)
             if check_health:
                 self.health.check(health_conn, starting=True)
-            stream = WalSenderStream(source.conninfo(), source.slot, options, on_status=self.metrics.beat)
+            stream = WalSenderStream(source.conninfo(), source.slot, options, on_status=self.metrics.beat,
+                                     stall_seconds=STALL_INTERVALS * source.status_interval_seconds)
         except BaseException:
             health_conn.close()
             raise
+        self.previous_reader = (stream.conn.info.host, stream.conn.info.port, stream.conn.info.backend_pid)
         core = ReplicationCore(self.sink, lambda lsn: self._confirm(stream, lsn),
                                cut=BatchCut(batching.max_changes, batching.max_seconds), confirmed=self.confirmed,
                                spill_bytes=batching.spill_bytes, skip_origins=source.skip_origins)
@@ -131,8 +138,8 @@ class LiveReplicator:
                 received = 0 if core.write_full() else self._receive(stream, core)
                 if core.write_ready(drained=received == 0):
                     core.start_write(writer)
-                if time.monotonic() - stream.last_status_at >= STATUS_INTERVAL_S:
-                    stream.send_status(self.confirmed)
+                if time.monotonic() - stream.last_status_at >= source.status_interval_seconds:
+                    stream.send_status(self.confirmed, reply_requested=True)  # the reply proves the link lives
                 if self.health.due():
                     self.health.check(health_conn, own_pid=stream.conn.pgconn.backend_pid)
             # Stopping: finish what was received, so a clean stop loses no work.
@@ -148,6 +155,17 @@ class LiveReplicator:
             stream.close()
             health_conn.close()
         return progressed
+
+    def _release_previous_reader(self, conn: psycopg.Connection) -> None:
+        """After a stalled stream, its walsender on the server may still hold the slot (until
+        ``wal_sender_timeout``): end it, when ``conn`` reached the same server."""
+        if self.previous_reader is None:
+            return
+        host, port, pid = self.previous_reader
+        self.previous_reader = None
+        if (conn.info.host, conn.info.port) == (host, port) and release_stalled_reader(conn, self.config.source.slot, pid):
+            log.warning("ended this pipeline's previous walsender (PID %d), which still held slot %s", pid,
+                        self.config.source.slot)
 
     def _receive(self, stream: WalSenderStream, core: ReplicationCore) -> int:
         """One read of the stream into the core (the number of messages); when idle, the

@@ -153,10 +153,22 @@ class PgServer:
         """A standby becomes a primary."""
         self._run(["pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "promote"], _service_user())
 
-    def crash(self) -> None:
-        """The server stops as if killed: no shutdown checkpoint, clients cut off."""
-        self._run(["pg_ctl", "-D", str(self.datadir), "-m", "immediate", "-w", "-t", "30", "stop"], _service_user())
+    def halt(self, mode: str = "immediate") -> None:
+        """Stop the server and keep its files. ``immediate`` is a crash: no shutdown checkpoint, clients
+        cut off; ``fast`` is a planned stop, which sends a standby all the WAL first (a switchover)."""
+        self._run(["pg_ctl", "-D", str(self.datadir), "-m", mode, "-w", "-t", "30", "stop"], _service_user())
         self._started = False
+
+    def kill(self) -> None:
+        """kill -9 of the postmaster: its backends notice and exit, nothing is shut down."""
+        self._kill_postmaster()
+        self._started = False
+
+    def rebuild_as_standby_of(self, primary: PgServer, slot: str) -> PgServer:
+        """This (stopped or failed) server's files replaced by a fresh base backup of ``primary``, on
+        the same port: the old primary of a failover rejoins as the new primary's standby."""
+        self.stop()
+        return self.start_standby_of(primary, slot)
 
     def restart(self, mode: str = "fast") -> None:
         """``mode="immediate"`` is a crash: no shutdown checkpoint, recovery on start."""

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from cdc_apply.config import parse_config
+from cdc_apply.live import BACKOFF_START_S, BackgroundReplicator
 from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgserver import PgServer, available_bindirs
 from cdc_apply.pipeline import drain
@@ -21,6 +22,7 @@ from cdc_apply.sources.preflight import PreflightError
 from cdc_apply.status import pipeline_status
 from tests.delta_oracle import delta_rows, source_types
 from tests.reference_apply import postgres_rows
+from tests.tcp_proxy import StallingProxy
 
 TABLES = {"public.accounts": ["id", "balance"], "public.journal": ["n", "note"]}
 
@@ -93,7 +95,7 @@ def test_a_promoted_standby_carries_the_failover_slot_on_exactly_once(spark, tmp
         # A run applies them, but the standby's copy of the slot is behind: the new primary sends
         # them again, and the targets' versions skip them.
         applied = drain(config, spark).confirmed_lsn
-        primary.crash()
+        primary.halt()
         standby.promote()
         with psycopg.connect(standby.dsn, autocommit=True) as conn:
             _wait_for("the promotion", lambda: not conn.execute("SELECT pg_is_in_recovery()").fetchone()[0])
@@ -121,3 +123,45 @@ def test_a_promoted_standby_carries_the_failover_slot_on_exactly_once(spark, tmp
     finally:
         standby.stop()
         primary.stop()
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_a_stalled_stream_is_reconnected_within_three_status_intervals(db18, spark, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The proxy stops forwarding without closing anything: the stream goes silent although every
+    status update asks for a reply. Within 3 x source.status_interval_seconds it counts as stalled,
+    the pipeline reconnects (the proxy forwards new connections), ends its old walsender, which
+    still holds the slot on the server, and applies what was committed meanwhile."""
+    server, dbname = db18
+    proxy = StallingProxy(server.port)
+    try:
+        with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+            conn.execute("CREATE TABLE stalled (id int PRIMARY KEY, v text)")
+            conn.execute("CREATE PUBLICATION stall_pub FOR TABLE stalled")
+            warehouse = str(tmp_path / "wh")
+            interval = 1.0
+            config = parse_config({"pipeline": "stall", "target": {"warehouse": warehouse},
+                                   "source": {"dsn": f"host=127.0.0.1 port={proxy.port} user=postgres dbname={dbname}",
+                                              "slot": "stall", "publication": "stall_pub",
+                                              "status_interval_seconds": interval}})
+            with BackgroundReplicator(config, spark) as pipeline:
+                pipeline.wait_for_snapshots()
+                conn.execute("INSERT INTO stalled SELECT g, 'before' FROM generate_series(1, 5) g")
+                pipeline.wait_caught_up()
+                proxy.stall()
+                stalled_at = time.monotonic()
+                conn.execute("INSERT INTO stalled SELECT g, 'during' FROM generate_series(6, 10) g")
+                conn.execute("UPDATE stalled SET v = 'updated' WHERE id <= 2")
+                pipeline.wait_caught_up(timeout=60)
+                recovered = time.monotonic() - stalled_at
+                assert pipeline.replicator.summary.reconnects == 1
+            # The bound, the first reconnect attempt, and one small batch applied: never
+            # wal_sender_timeout (60 s), after which the server would have ended its walsender itself.
+            assert recovered < 3 * interval + BACKOFF_START_S + 20, recovered
+            assert "the connection is stalled" in caplog.text
+            assert "ended this pipeline's previous walsender" in caplog.text
+            columns = ["id", "v"]
+            assert delta_rows(spark, f"{warehouse}/public/stalled", columns, source_types(conn, "public.stalled")) \
+                == postgres_rows(conn, "public.stalled", columns)
+    finally:
+        proxy.close()

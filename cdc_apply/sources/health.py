@@ -130,6 +130,13 @@ class HealthMonitor:
                 health = read_slot_health(conn, source.slot)
         if self.observer is not None:
             self.observer.observe_slot(health)
+        if starting and not health.exists:
+            raise SlotUnusable(f"replication slot {source.slot!r} does not exist on {source.describe()} "
+                               f"(server {conn.info.host}:{conn.info.port}), though this pipeline read it before: "
+                               "a failover to a server without a synced copy of it, or the slot was dropped. A new "
+                               "slot would start now and miss every change since. Recover: `cdc-apply resync "
+                               "--config <file> --all` creates the slot and copies every table again "
+                               "(docs/operations.md, \"Failover\")")
         if health.exists and health.wal_status == "lost":
             raise SlotUnusable(_invalidated(health, source))
         watching_active = starting or own_pid is not None  # a peek of our own also shows as active

@@ -93,6 +93,15 @@ def drop_slot(conn: psycopg.Connection, slot: str) -> None:
     conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
 
 
+def release_stalled_reader(conn: psycopg.Connection, slot: str, backend_pid: int) -> bool:
+    """End ``backend_pid`` if it still holds ``slot``: the walsender of a connection this process gave
+    up as stalled. The server would end it only after ``wal_sender_timeout``, and until then the
+    slot cannot be read again. True when it was ended."""
+    row = conn.execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                       "WHERE slot_name = %s AND active_pid = %s", (slot, backend_pid)).fetchone()
+    return bool(row and row[0])
+
+
 def server_version_num(conn: psycopg.Connection) -> int:
     return int(conn.info.server_version)
 

@@ -3,6 +3,10 @@
 ``WalSenderStream`` reads frames without blocking past a deadline, answers keepalives that ask
 for a reply, and sends standby status updates. What to confirm is the caller's decision
 (``cdc_apply.live``): this module never reports a flush position on its own.
+
+A stalled connection (a partition, a frozen server, a proxy that stops forwarding without closing)
+is noticed here: every status update asks the server for a reply, so a healthy stream is never
+silent for long. ``read`` raises ``StreamLost`` once nothing has arrived for ``stall_seconds``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from cdc_apply.pgoutput.framing import Keepalive, XLogData, decode_copy_data, en
 from cdc_apply.sources.slot import PgOutputOptions
 
 Frame = XLogData | Keepalive
+START_TIMEOUT_S = 30.0  # for the server to answer START_REPLICATION
+STALL_INTERVALS = 3  # status intervals without any message from the server before a stream is stalled
 
 
 class StreamLost(CdcApplyError):
@@ -40,8 +46,10 @@ class WalSenderStream:
     """
 
     def __init__(self, conninfo: str, slot: str, options: PgOutputOptions, start_lsn: int = 0,
-                 connect_timeout: int = 10, on_status: Callable[[], None] | None = None) -> None:
-        """``on_status`` is called after every status update sent (the metrics' liveness beat)."""
+                 connect_timeout: int = 10, on_status: Callable[[], None] | None = None,
+                 stall_seconds: float | None = None) -> None:
+        """``on_status`` is called after every status update sent (the metrics' liveness beat);
+        ``stall_seconds``: how long the server may stay silent before the stream counts as lost."""
         try:
             self.conn = psycopg.connect(conninfo, autocommit=True, replication="database",
                                         connect_timeout=connect_timeout)
@@ -53,15 +61,37 @@ class WalSenderStream:
         self.received_lsn = start_lsn  # highest WAL position seen in XLogData or a keepalive
         self.last_status_at = 0.0
         self.on_status = on_status
+        self.stall_seconds = stall_seconds
+        self.last_heard_at = time.monotonic()
 
-    def start(self) -> None:
+    def start(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Send START_REPLICATION and wait, without holding the GIL, for the server to enter COPY BOTH."""
         pgconn = self.conn.pgconn
-        pgconn.send_query(start_replication_command(self.slot, self.options, self.start_lsn).encode())
+        deadline = time.monotonic() + timeout
+        try:
+            pgconn.send_query(start_replication_command(self.slot, self.options, self.start_lsn).encode())
+            while pgconn.flush():
+                self._wait(deadline, for_write=True)
+            pgconn.consume_input()
+            while pgconn.is_busy():
+                self._wait(deadline, for_write=False)
+                pgconn.consume_input()
+        except psycopg.OperationalError as exc:
+            raise StreamLost(f"replication connection lost: {exc}") from None
         result = pgconn.get_result()
         if result is None or result.status != pq.ExecStatus.COPY_BOTH:
             message = pgconn.get_error_message() if result is None else result.get_error_message()
             raise CdcApplyError(f"START_REPLICATION on slot {self.slot} failed: "
                                 f"{message.decode(errors='replace') if isinstance(message, bytes) else message}")
+
+    def _wait(self, deadline: float, *, for_write: bool) -> None:
+        socket = self.conn.pgconn.socket
+        remaining = deadline - time.monotonic()
+        ready = select.select([], [socket], [], max(remaining, 0))[1] if for_write else \
+            select.select([socket], [], [], max(remaining, 0))[0]
+        if not ready and remaining <= 0:
+            raise StreamLost(f"START_REPLICATION on slot {self.slot} got no answer within {START_TIMEOUT_S:g} s: "
+                             "the connection is stalled")
 
     def read(self, timeout: float, max_frames: int = 10_000) -> list[Frame]:
         """The frames that arrive within ``timeout`` seconds (returns as soon as some are in)."""
@@ -76,6 +106,7 @@ class WalSenderStream:
                     self.received_lsn = max(self.received_lsn, frame.wal_end if isinstance(frame, Keepalive)
                                             else frame.start_lsn)
                     frames.append(frame)
+                    self.last_heard_at = time.monotonic()
                     continue
                 if size == -1:
                     raise StreamLost(f"the server ended the replication stream of slot {self.slot}")
@@ -83,7 +114,10 @@ class WalSenderStream:
                     raise StreamLost(f"replication stream of slot {self.slot} failed: "
                                      f"{pgconn.get_error_message().decode(errors='replace')}")
                 remaining = deadline - time.monotonic()
-                if frames or remaining <= 0:
+                if frames:
+                    break
+                if remaining <= 0:
+                    self._raise_if_stalled()
                     break
                 readable, _, _ = select.select([pgconn.socket], [], [], remaining)
                 if readable:
@@ -91,6 +125,13 @@ class WalSenderStream:
         except psycopg.OperationalError as exc:
             raise StreamLost(f"replication connection lost: {exc}") from None
         return frames
+
+    def _raise_if_stalled(self) -> None:
+        silent = time.monotonic() - self.last_heard_at
+        if self.stall_seconds is not None and silent > self.stall_seconds:
+            raise StreamLost(f"the replication stream of slot {self.slot} has been silent for {silent:.1f} s although "
+                             f"every status update asks for a reply (bound {self.stall_seconds:g} s = "
+                             f"{STALL_INTERVALS} x source.status_interval_seconds): the connection is stalled")
 
     def send_status(self, flushed_lsn: int, reply_requested: bool = False) -> None:
         """Report ``flushed_lsn`` as written, flushed and applied: the slot may advance to it."""
