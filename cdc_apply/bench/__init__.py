@@ -37,4 +37,9 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
 
         bench_stream(seconds=args.seconds, rate=args.rate, sessions=args.sessions)
         return 0
+    if name == "failover":
+        from cdc_apply.bench.failover import bench_failover
+
+        bench_failover(rounds=args.rounds, rate=args.rate)
+        return 0
     raise ValueError(f"unknown benchmark {name}")
