@@ -24,13 +24,14 @@ from cdc_apply.apply.targets import TargetRegistry
 from cdc_apply.config import Config
 from cdc_apply.lsn import format_lsn
 from cdc_apply.snapshot import ResyncMarks
-from cdc_apply.sources.health import missing_publications, publication_tables, read_slot_health
+from cdc_apply.sources.health import missing_publications, publication_tables, read_slot_health, standby_copies
 
 
 def pipeline_status(config: Config) -> dict[str, Any]:
     source = config.source
     with psycopg.connect(source.conninfo(), autocommit=True, connect_timeout=10) as conn:
         health = read_slot_health(conn, source.slot)
+        standbys = standby_copies(source, conn)
         published = publication_tables(conn, source.publications)
         missing = missing_publications(conn, source.publications)
     registry = TargetRegistry(config.target.warehouse).entries()
@@ -47,7 +48,7 @@ def pipeline_status(config: Config) -> dict[str, Any]:
                 if writer.last_updated_ms is not None:
                     row["applied_at"] = datetime.fromtimestamp(writer.last_updated_ms / 1000, timezone.utc).isoformat()
         tables.append(row)
-    return {"pipeline": config.pipeline, "slot": health.as_dict(),
+    return {"pipeline": config.pipeline, "slot": {**health.as_dict(), "standby_copies": standbys},
             "publication": {"names": list(source.publications), "exists": published is not None, "missing": missing},
             "tables": tables}
 

@@ -76,6 +76,17 @@ def test_a_streaming_query_keeps_delta_equal_to_postgres(db18, spark, tmp_path) 
         assert _journal_count(spark, warehouse) == journal + 1
         assert_delta_equals_postgres(spark, conn, warehouse)
         assert confirmed_flush(conn, "ds") > 0
+        # The slot gone (a failover without a synced copy): the checkpoint's query stops, never
+        # creating a new slot that would start now.
+        conn.execute("SELECT pg_drop_replication_slot('ds')")
+        query = start_stream(config, spark)
+        try:
+            with pytest.raises(Exception, match=r"replication slot 'ds' does not exist on .* but this query's "
+                                                 r"checkpoint is at LSN"):
+                query.processAllAvailable()
+        finally:
+            query.stop()
+        assert confirmed_flush(conn, "ds") == 0
 
 
 def test_a_batch_replayed_with_its_id_is_skipped(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -19,7 +19,9 @@ from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgserver import PgServer, available_bindirs
 from cdc_apply.pipeline import drain
 from cdc_apply.resync import published_oids, resync
+from cdc_apply.sources.health import HealthMonitor, missing_standby_slots
 from cdc_apply.sources.preflight import PreflightError
+from cdc_apply.sources.slot import create_slot
 from cdc_apply.status import pipeline_status
 from tests.delta_oracle import delta_rows, source_types
 from tests.reference_apply import postgres_rows
@@ -85,6 +87,9 @@ def test_a_promoted_standby_carries_the_failover_slot_on_exactly_once(spark, tmp
         _wait_for("the standby's synced slot", lambda: _synced_up_to(standby, primary, "fo"))
         status = pipeline_status(config)["slot"]
         assert (status["failover"], status["synced"]) == (True, False)  # the primary's own slot
+        [copy] = status["standby_copies"]
+        assert (copy["server"], copy["in_recovery"], copy["synced"], copy["temporary"]) == \
+            (f"127.0.0.1:{standby.port}", True, True, False)
         with psycopg.connect(standby.dsn, autocommit=True) as conn:  # the standby's copy stays here
             conn.execute("ALTER SYSTEM SET sync_replication_slots = off")
             conn.execute("SELECT pg_reload_conf()")
@@ -191,3 +196,24 @@ def test_three_failovers_in_a_row_under_load_lose_nothing_and_apply_nothing_twic
             ledger = conn.execute("SELECT count(*) FROM ledger").fetchone()[0]
             markers = conn.execute("SELECT count(*) FROM journal WHERE session = -1").fetchone()[0]
         assert ledger > 20 and markers == len(FAILURES)
+
+
+def test_a_standby_slot_that_does_not_exist_is_named_at_start(caplog) -> None:  # type: ignore[no-untyped-def]
+    """Right after a promotion, synchronized_standby_slots still names the old standby's slot: the
+    server then sends a failover slot's reader nothing. The health check says so."""
+    with PgServer(bindir=available_bindirs()["pg18"]) as server, \
+            psycopg.connect(server.dsn, autocommit=True) as conn:
+        conn.execute("CREATE PUBLICATION pub")
+        config = parse_config({"pipeline": "p", "source": {"dsn": server.dsn, "slot": "fo", "publication": "pub"},
+                               "target": {"warehouse": "/nonexistent"}})
+        create_slot(conn, "fo", failover=True)
+        conn.execute("SELECT pg_create_physical_replication_slot('present')")
+        conn.execute("SELECT pg_create_physical_replication_slot('gone')")  # the server checks the names when set
+        conn.execute("ALTER SYSTEM SET synchronized_standby_slots = 'present, gone'")
+        conn.execute("SELECT pg_reload_conf()")
+        _wait_for("the setting", lambda: conn.execute("SHOW synchronized_standby_slots").fetchone()[0] != "")
+        conn.execute("SELECT pg_drop_replication_slot('gone')")
+        assert missing_standby_slots(conn) == ["gone"]
+        HealthMonitor(config.source).check(conn, starting=True)
+        assert "synchronized_standby_slots names 'gone', which does not exist" in caplog.text
+        assert "'present'" not in caplog.text

@@ -71,6 +71,49 @@ def read_slot_health(conn: psycopg.Connection, slot: str) -> SlotHealth:
     return SlotHealth(slot, True, current, *row)
 
 
+def missing_standby_slots(conn: psycopg.Connection) -> list[str]:
+    """The physical slots ``synchronized_standby_slots`` names that this server does not have
+    (PostgreSQL 17+). The server then sends a failover slot's reader nothing at all, waiting for a
+    standby that cannot confirm: typical right after a promotion, before the new standby is attached."""
+    if int(conn.info.server_version) < FAILOVER_SLOTS_VERSION:
+        return []
+    setting = conn.execute("SELECT current_setting('synchronized_standby_slots')").fetchone()[0]  # type: ignore[index]
+    names = [name.strip().strip('"') for name in str(setting).split(",") if name.strip()]
+    found = {row[0] for row in conn.execute("SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical' "
+                                            "AND slot_name = ANY(%s)", (names,)).fetchall()}
+    return [name for name in names if name not in found]
+
+
+def standby_copies(source: SourceConfig, primary: psycopg.Connection) -> list[dict[str, object]]:
+    """The slot's copy on every other server ``source.dsn`` lists (its standbys, in a host list):
+    whether the server is in recovery, and whether it holds a synchronized, persistent copy of the
+    slot and how far that copy is confirmed. A sync first makes a temporary copy, which a promotion
+    drops; it turns persistent once the primary's slot has moved past the standby's own position."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    params = conninfo_to_dict(source.conninfo())
+    hosts = str(params.get("host") or "").split(",")
+    ports = str(params.get("port") or "5432").split(",")
+    ports = ports * len(hosts) if len(ports) == 1 else ports
+    copies: list[dict[str, object]] = []
+    for host, port in zip(hosts, ports):
+        if (host, port) == (primary.info.host, str(primary.info.port)):
+            continue
+        copy: dict[str, object] = {"server": f"{host}:{port}"}
+        try:
+            with psycopg.connect(make_conninfo(source.conninfo(), host=host, port=port, target_session_attrs="any"),
+                                 autocommit=True, connect_timeout=5) as conn:
+                copy["in_recovery"] = conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]  # type: ignore[index]
+                row = conn.execute("SELECT synced, temporary, confirmed_flush_lsn::text FROM pg_replication_slots "
+                                   "WHERE slot_name = %s", (source.slot,)).fetchone() \
+                    if int(conn.info.server_version) >= FAILOVER_SLOTS_VERSION else None
+                copy.update(dict(zip(("synced", "temporary", "confirmed_flush_lsn"), row or (False, None, None))))
+        except psycopg.Error as exc:
+            copy["error"] = " ".join(str(exc).split())
+        copies.append(copy)
+    return copies
+
+
 def missing_publications(conn: psycopg.Connection, publications: Sequence[str]) -> list[str]:
     """The names among ``publications`` that the database has no publication of."""
     found = {row[0] for row in conn.execute("SELECT pubname FROM pg_publication WHERE pubname = ANY(%s)",
@@ -144,6 +187,12 @@ class HealthMonitor:
             raise SlotUnusable(f"replication slot {source.slot!r} is in use by another process (PID "
                                f"{health.active_pid}): another cdc-apply or subscriber reads it. Stop that one, or "
                                "give this pipeline its own source.slot")
+        if starting and source.failover and health.failover:
+            for name in missing_standby_slots(conn):
+                log.warning("synchronized_standby_slots names %r, which does not exist on %s: the server sends slot "
+                            "%s nothing until that standby confirms. After a promotion, attach the new standby "
+                            "with that slot, or clear the setting until it is (docs/operations.md, \"Failover\")",
+                            name, f"{conn.info.host}:{conn.info.port}", source.slot)
         tables = publication_tables(conn, source.publications)
         if tables is None:
             gone = missing_publications(conn, source.publications)

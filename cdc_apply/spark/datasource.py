@@ -140,6 +140,17 @@ class PgOutputBatchReader(DataSourceReader):
         yield from _read_range(self.options, partition, self.images)
 
 
+def _require_slot(conn: psycopg.Connection, slot: str, checkpoint_lsn: str) -> None:
+    """A query resumed from a checkpoint never creates its slot again: a new slot would start now."""
+    if conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone() is None:
+        raise CdcApplyError(
+            f"replication slot {slot!r} does not exist on {conn.info.host}:{conn.info.port}, but this query's "
+            f"checkpoint is at LSN {checkpoint_lsn}: a failover to a server without a synced copy of the slot, or "
+            "the slot was dropped. A new slot would miss every change since. Recover: stop the query, run "
+            "`cdc-apply resync --config <file> --all` (it creates the slot and copies every table again), and "
+            "start the query with a new checkpoint location (docs/operations.md, \"Failover\")")
+
+
 def _read_range(options: ReaderOptions, part: SlotRange, images: TableImages | None) -> Iterator[pa.RecordBatch]:
     if part.datas is None:
         with psycopg.connect(options.source.conninfo(), autocommit=True) as conn:
@@ -183,6 +194,7 @@ class PgOutputStreamReader(DataSourceStreamReader):
         window = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         source = self.options.source
         with self._connect() as conn:
+            _require_slot(conn, source.slot, start["lsn"])
             protocol = _protocol(conn, self.options)
             upto = current_wal_lsn(conn)
             while True:
