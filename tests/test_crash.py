@@ -99,7 +99,9 @@ def kill_at_random_points(conn: psycopg.Connection, load: Load, warehouse: str, 
     for _ in range(RANDOM_KILLS):
         job = new_job()
         assert job.streaming.wait(timeout=180), job.log.read_text()[-3000:]
-        time.sleep(rng.uniform(0, 12))
+        # A new job's first batch is written 2-5 s after it streams: 0-6 s spans its receive, its
+        # MERGE, its confirm and the batches after it.
+        time.sleep(rng.uniform(0, 6))
         job.process.send_signal(signal.SIGKILL)
         assert job.wait(timeout=60) == -signal.SIGKILL
         _assert_confirmed_is_durable(conn, load, warehouse)
