@@ -95,6 +95,8 @@ def standby_copies(source: SourceConfig, primary: psycopg.Connection) -> list[di
     hosts = str(params.get("host") or "").split(",")
     ports = str(params.get("port") or "5432").split(",")
     ports = ports * len(hosts) if len(ports) == 1 else ports
+    if len(hosts) < 2:
+        return []
     copies: list[dict[str, object]] = []
     for host, port in zip(hosts, ports):
         if (host, port) == (primary.info.host, str(primary.info.port)):

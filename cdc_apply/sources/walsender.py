@@ -90,8 +90,7 @@ class WalSenderStream:
         ready = select.select([], [socket], [], max(remaining, 0))[1] if for_write else \
             select.select([socket], [], [], max(remaining, 0))[0]
         if not ready and remaining <= 0:
-            raise StreamLost(f"START_REPLICATION on slot {self.slot} got no answer within {START_TIMEOUT_S:g} s: "
-                             "the connection is stalled")
+            raise StreamLost(f"START_REPLICATION on slot {self.slot} got no answer in time: the connection is stalled")
 
     def read(self, timeout: float, max_frames: int = 10_000) -> list[Frame]:
         """The frames that arrive within ``timeout`` seconds (returns as soon as some are in)."""
