@@ -239,11 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config", help="YAML config file")
 
     bench = verb("bench", _cmd_bench, "benchmarks that report side-by-side ratios")
-    bench.add_argument("benchmark", choices=["decode", "apply", "e2e", "stream", "soak", "memory", "failover"], help="which benchmark")
+    bench.add_argument("benchmark", choices=["decode", "apply", "e2e", "stream", "soak", "memory", "failover", "snapshot"], help="which benchmark")
     bench.add_argument("--messages", type=int, default=500_000, help="decode: messages to generate")
     bench.add_argument("--binary", action="store_true", help="decode: capture with binary=true")
     bench.add_argument("--rounds", type=int, default=3, help="decode: timed rounds per stage (medians compared); failover: failovers in a row")
-    bench.add_argument("--rows", type=int, default=10_000_000, help="apply: rows in the target table")
+    bench.add_argument("--rows", type=int, default=None,
+                       help="apply: rows in the target table (default 10,000,000); snapshot: rows of the "
+                            "lineitem-shaped table (default 2,000,000)")
     bench.add_argument("--changes", type=int, default=1_000_000, help="apply: mixed changes to merge")
     bench.add_argument("--per-transaction-slice", type=int, default=2_000,
                        help="apply: changes applied as one MERGE per 100-row transaction, for comparison")

@@ -14,7 +14,7 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     if name == "apply":
         from cdc_apply.bench.apply import bench_apply
 
-        bench_apply(rows=args.rows, changes=args.changes, per_transaction_slice=args.per_transaction_slice)
+        bench_apply(rows=args.rows or 10_000_000, changes=args.changes, per_transaction_slice=args.per_transaction_slice)
         return 0
     if name == "e2e":
         from cdc_apply.bench.e2e import bench_e2e
@@ -41,5 +41,10 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
         from cdc_apply.bench.failover import bench_failover
 
         bench_failover(rounds=args.rounds, rate=args.rate)
+        return 0
+    if name == "snapshot":
+        from cdc_apply.bench.snapshot import bench_snapshot
+
+        bench_snapshot(rows=args.rows or 2_000_000)
         return 0
     raise ValueError(f"unknown benchmark {name}")

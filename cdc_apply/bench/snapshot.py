@@ -1,0 +1,161 @@
+"""`cdc-apply bench snapshot`: the initial copy against what PostgreSQL and a plain Spark job can do.
+
+One server, one TPC-H ``lineitem``-shaped table of ``--rows`` rows; in one run, one after the other:
+1. the raw read: ``COPY lineitem TO STDOUT`` read by psycopg and thrown away: the rate at which
+   PostgreSQL hands the rows out;
+2. a hand-written Spark copy: COPY as CSV, parsed by ``pyarrow.csv`` with the table's types,
+   ``spark.createDataFrame`` of the Arrow table, one Delta append;
+3. the product's copy: ``Snapshotter.sync`` of a pipeline with a fresh warehouse (exported
+   snapshot, COPY in chunks, the change-row converters, one Delta commit per chunk, the version).
+
+Prints each one's rows/s and the ratios issue 31 sets goals for (product ÷ raw, product ÷ Spark),
+and the driver's peak RSS during the product's copy.
+"""
+
+from __future__ import annotations
+
+import io
+import resource
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg
+
+from cdc_apply.pgserver import PgServer
+
+LINEITEM = """
+CREATE TABLE lineitem (
+    l_orderkey bigint NOT NULL, l_partkey int NOT NULL, l_suppkey int NOT NULL, l_linenumber int NOT NULL,
+    l_quantity numeric(15,2) NOT NULL, l_extendedprice numeric(15,2) NOT NULL, l_discount numeric(15,2) NOT NULL,
+    l_tax numeric(15,2) NOT NULL, l_returnflag char(1) NOT NULL, l_linestatus char(1) NOT NULL,
+    l_shipdate date NOT NULL, l_commitdate date NOT NULL, l_receiptdate date NOT NULL,
+    l_shipinstruct char(25) NOT NULL, l_shipmode char(10) NOT NULL, l_comment varchar(44) NOT NULL,
+    PRIMARY KEY (l_orderkey, l_linenumber))
+"""
+FILL = """
+INSERT INTO lineitem
+SELECT g / 4, (g * 7919) %% 200000, (g * 104729) %% 10000, g %% 4,
+       (g %% 50) + 1, ((g %% 50) + 1) * 901.37, (g %% 11) / 100.0, (g %% 9) / 100.0,
+       (ARRAY['A', 'N', 'R'])[g %% 3 + 1], (ARRAY['F', 'O'])[g %% 2 + 1],
+       date '1992-01-01' + (g %% 2500)::int, date '1992-01-31' + (g %% 2500)::int, date '1992-02-15' + (g %% 2500)::int,
+       (ARRAY['DELIVER IN PERSON', 'COLLECT COD', 'NONE', 'TAKE BACK RETURN'])[g %% 4 + 1],
+       (ARRAY['AIR', 'RAIL', 'SHIP', 'TRUCK', 'MAIL', 'FOB', 'REG AIR'])[g %% 7 + 1],
+       left(md5(g::text), 27) || ' carefully final'
+FROM generate_series(%s::bigint, %s::bigint) g
+"""
+FILL_STEP = 500_000
+
+
+def create_lineitem(conn: psycopg.Connection, rows: int) -> None:
+    conn.execute(LINEITEM)
+    for start in range(0, rows, FILL_STEP):
+        conn.execute(FILL, (start, min(start + FILL_STEP, rows) - 1))
+    conn.execute("VACUUM ANALYZE lineitem")
+
+
+def raw_copy_read(dsn: str) -> int:
+    """Rows of ``COPY lineitem TO STDOUT``, read and thrown away."""
+    rows = 0
+    with psycopg.connect(dsn) as conn, conn.cursor().copy("COPY lineitem TO STDOUT") as copy:
+        for _ in copy:
+            rows += 1
+    return rows
+
+
+def hand_written_spark_copy(dsn: str, spark, path: str) -> int:  # type: ignore[no-untyped-def]
+    """What a data engineer writes without cdc_apply: CSV from COPY, typed by pyarrow, appended by Spark."""
+    import pyarrow as pa
+    from pyarrow import csv
+
+    money = pa.decimal128(15, 2)
+    types = {"l_orderkey": pa.int64(), "l_partkey": pa.int32(), "l_suppkey": pa.int32(), "l_linenumber": pa.int32(),
+             "l_quantity": money, "l_extendedprice": money, "l_discount": money, "l_tax": money,
+             "l_returnflag": pa.string(), "l_linestatus": pa.string(), "l_shipdate": pa.date32(),
+             "l_commitdate": pa.date32(), "l_receiptdate": pa.date32(), "l_shipinstruct": pa.string(),
+             "l_shipmode": pa.string(), "l_comment": pa.string()}
+    buffer = io.BytesIO()
+    with psycopg.connect(dsn) as conn, conn.cursor().copy("COPY lineitem TO STDOUT WITH (FORMAT csv)") as copy:
+        for data in copy:
+            buffer.write(data)
+    buffer.seek(0)
+    table = csv.read_csv(buffer, read_options=csv.ReadOptions(column_names=list(types)),
+                         convert_options=csv.ConvertOptions(column_types=types))
+    spark.createDataFrame(table).write.format("delta").mode("append").save(path)
+    return table.num_rows
+
+
+class PeakRss:
+    """The process's resident set, sampled every 50 ms while open (ru_maxrss is a lifetime peak)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            with open("/proc/self/statm") as statm:
+                self.peak = max(self.peak, int(statm.read().split()[1]) * resource.getpagesize())
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _timed(what: str, run: Callable[[], int]) -> tuple[int, float]:
+    print(f"  {what} ...", flush=True)
+    started = time.perf_counter()
+    rows = run()
+    return rows, time.perf_counter() - started
+
+
+def bench_snapshot(rows: int = 2_000_000) -> dict[str, float]:
+    from cdc_apply.apply.batch import BatchApplier
+    from cdc_apply.apply.options import apply_options
+    from cdc_apply.config import parse_config
+    from cdc_apply.snapshot import Snapshotter
+    from cdc_apply.sources.catalog import SourceCatalog
+    from cdc_apply.sources.preflight import ensure_publication_and_slot
+    from cdc_apply.spark.session import build_spark_session
+
+    with PgServer() as server:
+        print(f"snapshot: a lineitem-shaped table of {rows:,} rows ...", flush=True)
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            create_lineitem(conn, rows)
+            conn.execute("CREATE PUBLICATION bench FOR TABLE lineitem")
+            size = conn.execute("SELECT pg_size_pretty(pg_table_size('lineitem'))").fetchone()[0]  # type: ignore[index]
+        warehouse = tempfile.mkdtemp(prefix="cdc_apply_bench_snapshot_")
+        config = parse_config({"pipeline": "bench", "source": {"dsn": server.dsn, "slot": "bench",
+                                                               "publication": "bench"},
+                               "target": {"warehouse": warehouse}})
+        spark = build_spark_session(config.spark)
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            ensure_publication_and_slot(conn, config.source)  # the slot exists before the copy, as in a run
+        # Warm the JVM with a small write, so neither Spark copy pays for the first one.
+        spark.range(10).write.format("delta").save(f"{warehouse}/warm_up")
+
+        raw_rows, raw_s = _timed("raw COPY read", lambda: raw_copy_read(server.dsn))
+        spark_rows, spark_s = _timed("hand-written Spark copy",
+                                     lambda: hand_written_spark_copy(server.dsn, spark, f"{warehouse}/by_hand"))
+        applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(server.dsn).missing_value)
+        with PeakRss() as rss:
+            product_rows, product_s = _timed("cdc_apply's copy", lambda: sum(
+                copied.rows for copied in Snapshotter(config, applier).sync()))
+        assert raw_rows == spark_rows == product_rows == rows, (raw_rows, spark_rows, product_rows)
+        spark.stop()
+    rates = {"raw": rows / raw_s, "spark": rows / spark_s, "product": rows / product_s}
+    print(f"bench snapshot ({rows:,} rows, {size})")
+    print(f"  raw COPY read            {raw_s:7.1f} s  {rates['raw']:>12,.0f} rows/s")
+    print(f"  hand-written Spark copy  {spark_s:7.1f} s  {rates['spark']:>12,.0f} rows/s")
+    print(f"  cdc_apply's copy         {product_s:7.1f} s  {rates['product']:>12,.0f} rows/s  "
+          f"(driver peak RSS {rss.peak / 2**20:,.0f} MB)")
+    print(f"  cdc_apply ÷ raw COPY read:           {rates['product'] / rates['raw']:.3f}x (goal >= 0.25x)")
+    print(f"  cdc_apply ÷ hand-written Spark copy: {rates['product'] / rates['spark']:.2f}x (goal >= 3x)")
+    return {"product_over_raw": rates["product"] / rates["raw"], "product_over_spark": rates["product"] / rates["spark"],
+            "driver_peak_rss_mb": rss.peak / 2**20}
