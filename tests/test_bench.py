@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
+from cdc_apply.bench.snapshot import bench_snapshot
 from tests.test_decode_cli import _cli
 
 
@@ -67,3 +70,14 @@ def test_bench_stream_compares_the_streaming_query_with_follow() -> None:
         assert re.search(r"lag p50 [0-9.]+ s, p99 [0-9.]+ s; catch-up +[0-9,]+ changes/s, ratio to delivery [0-9.]+x",
                          line), line
     assert re.search(r"streaming query / run --follow: steady [0-9.]+x, catch-up [0-9.]+x", run.stdout)
+
+
+@pytest.mark.spark
+def test_bench_snapshot_times_three_copies_of_the_same_rows(spark, capsys) -> None:  # type: ignore[no-untyped-def]
+    """In-process, on the shared session: each copy must hold every row (the bench checks the counts)."""
+    result = bench_snapshot(rows=3000, spark=spark)
+    report = capsys.readouterr().out
+    for line in ("raw COPY read", "hand-written Spark copy", "cdc_apply's copy", "cdc_apply ÷ raw COPY read",
+                 "cdc_apply ÷ hand-written Spark copy"):
+        assert line in report, report
+    assert result["product_over_raw"] > 0 and result["product_over_spark"] > 0 and result["driver_peak_rss_mb"] > 50

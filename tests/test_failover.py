@@ -12,7 +12,7 @@ import time
 import psycopg
 import pytest
 
-from cdc_apply.bench.failover import FAILURES, FailoverDrill, drill_failovers
+from cdc_apply.bench.failover import FAILURES, FailoverDrill, drill_failovers, print_failover_report
 from cdc_apply.config import parse_config
 from cdc_apply.live import BACKOFF_START_S, BackgroundReplicator
 from cdc_apply.lsn import parse_lsn
@@ -176,7 +176,7 @@ def test_a_stalled_stream_is_reconnected_within_three_status_intervals(db18, spa
 
 @pytest.mark.spark
 @pytest.mark.timeout(900)
-def test_three_failovers_in_a_row_under_load_lose_nothing_and_apply_nothing_twice(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_three_failovers_in_a_row_under_load_lose_nothing_and_apply_nothing_twice(spark, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """`run --follow` through a kill -9 of the primary, a crash and a planned switchover, a load
     running through each; after each the old primary is rebuilt as the new standby from a base
     backup and must hold a synced copy of the slot before the next. After each failover, with the
@@ -196,6 +196,10 @@ def test_three_failovers_in_a_row_under_load_lose_nothing_and_apply_nothing_twic
             ledger = conn.execute("SELECT count(*) FROM ledger").fetchone()[0]
             markers = conn.execute("SELECT count(*) FROM journal WHERE session = -1").fetchone()[0]
         assert ledger > 20 and markers == len(FAILURES)
+    print_failover_report(times)  # what `bench failover` prints, from this run's figures
+    report = capsys.readouterr().out
+    assert all(f"  {how:12s}" in report for how in FAILURES) and "median pipeline part" in report
+    assert all(t.promotion_s > 0 and t.reconnect_s >= 0 and t.apply_s > 0 for t in times)
 
 
 def test_a_standby_slot_that_does_not_exist_is_named_at_start(caplog) -> None:  # type: ignore[no-untyped-def]

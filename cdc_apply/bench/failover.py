@@ -203,6 +203,13 @@ def bench_failover(rounds: int = 3, rate: float = 5.0) -> list[FailoverTimes]:
           "the old primary rebuilt as the standby after each ...", flush=True)
     with FailoverDrill(warehouse) as drill:
         times = drill_failovers(drill, failures, rate)
+        assert drill.spark is not None
+        drill.spark.stop()
+    print_failover_report(times)
+    return times
+
+
+def print_failover_report(times: list[FailoverTimes]) -> None:
     print("bench failover (seconds)")
     print(f"  {'failure':12s} {'promotion':>10s} {'reconnect':>10s} {'apply':>8s} {'pipeline':>9s} {'standby synced':>15s}")
     for t in times:
@@ -210,6 +217,3 @@ def bench_failover(rounds: int = 3, rate: float = 5.0) -> list[FailoverTimes]:
               f"{t.standby_synced_s:15.2f}")
     print(f"  median pipeline part {statistics.median(t.pipeline_s for t in times):.2f} s (goal < 10 s beyond the "
           f"promotion); median reconnect {statistics.median(t.reconnect_s for t in times):.2f} s")
-    assert drill.spark is not None
-    drill.spark.stop()
-    return times

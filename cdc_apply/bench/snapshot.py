@@ -115,7 +115,8 @@ def _timed(what: str, run: Callable[[], int]) -> tuple[int, float]:
     return rows, time.perf_counter() - started
 
 
-def bench_snapshot(rows: int = 2_000_000) -> dict[str, float]:
+def bench_snapshot(rows: int = 2_000_000, spark=None) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """``spark``: a session to use (and leave running); None builds one and stops it at the end."""
     from cdc_apply.apply.batch import BatchApplier
     from cdc_apply.apply.options import apply_options
     from cdc_apply.config import parse_config
@@ -134,7 +135,8 @@ def bench_snapshot(rows: int = 2_000_000) -> dict[str, float]:
         config = parse_config({"pipeline": "bench", "source": {"dsn": server.dsn, "slot": "bench",
                                                                "publication": "bench"},
                                "target": {"warehouse": warehouse}})
-        spark = build_spark_session(config.spark)
+        own_session = spark is None
+        spark = spark or build_spark_session(config.spark)
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             ensure_publication_and_slot(conn, config.source)  # the slot exists before the copy, as in a run
         # Warm the JVM with a small write, so neither Spark copy pays for the first one.
@@ -148,7 +150,8 @@ def bench_snapshot(rows: int = 2_000_000) -> dict[str, float]:
             product_rows, product_s = _timed("cdc_apply's copy", lambda: sum(
                 copied.rows for copied in Snapshotter(config, applier).sync()))
         assert raw_rows == spark_rows == product_rows == rows, (raw_rows, spark_rows, product_rows)
-        spark.stop()
+        if own_session:
+            spark.stop()
     rates = {"raw": rows / raw_s, "spark": rows / spark_s, "product": rows / product_s}
     print(f"bench snapshot ({rows:,} rows, {size})")
     print(f"  raw COPY read            {raw_s:7.1f} s  {rates['raw']:>12,.0f} rows/s")
