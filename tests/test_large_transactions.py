@@ -1,5 +1,5 @@
 """Transactions larger than the spill budget (``batching.spill_bytes``): appended a piece at a time
-in one Delta commit per table when they insert only (``BatchApplier._append_in_pieces``), through
+in one Delta commit per table when they insert only (``apply/pieces.py``), through
 the whole path otherwise; either way every target equals PostgreSQL, read by Spark and delta-rs,
 and a crash between pieces leaves no part of the transaction visible."""
 
