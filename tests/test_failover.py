@@ -187,7 +187,7 @@ def test_three_failovers_in_a_row_under_load_lose_nothing_and_apply_nothing_twic
     def equal(conn: psycopg.Connection) -> None:
         assert_delta_equals_postgres(spark, conn, warehouse)
 
-    with FailoverDrill(warehouse, spark) as drill:
+    with FailoverDrill(warehouse, spark, hurry_standby_sync=True) as drill:
         times = drill_failovers(drill, FAILURES, rate=4.0, check=equal)
         assert [t.how for t in times] == list(FAILURES)
         summary = drill.pipeline.replicator.summary  # type: ignore[union-attr]
