@@ -43,7 +43,6 @@ class _PiecewiseAppend:
     append: KnownVersionAppend
 
 
-
 class PiecewiseAppender:
     def __init__(self, planner: Planner, rows: ChangeRowBuilder, schema: SchemaApplier, writer: TableWriter,
                  piece_bytes: int) -> None:
