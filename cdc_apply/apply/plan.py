@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Protocol
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from cdc_apply.apply.collapse import Collapsed, Collapser
 from cdc_apply.apply.columnar import CollapsedColumns
@@ -84,7 +84,7 @@ class TablePlan:
     versioning: Versioning
     snapshot: bool
     lsn_done: int | None  # the pipeline's LSN version: rows at or below it are in the target already
-    appendable: bool  # new rows may be appended (see ``_plan``)
+    appendable: bool  # new rows may be appended (see ``BatchApplier._plan``)
     done: bool  # the target holds this batch already (exactly once)
 
     @property
@@ -177,7 +177,7 @@ def multiset(state: SourceState, options: TableOptions) -> bool:
 
 
 def appends_new_rows(plan: TablePlan, state: SourceState) -> bool:
-    """New rows of the batch may be appended to the target as ``state`` keys it (see ``_plan``)."""
+    """New rows of the batch may be appended to the target as ``state`` keys it (see ``BatchApplier._plan``)."""
     return plan.appendable and unique_key(plan.relation, state.column_map(), state.keys, plan.options)
 
 
