@@ -32,7 +32,8 @@ from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sources.preflight import PreflightError, check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.sources.slot import (
-    PgOutputOptions, advance_slot, confirmed_flush, current_wal_lsn, read_changes, server_version_num,
+    SLOT_GONE, PgOutputOptions, advance_slot, confirmed_flush, current_wal_lsn, read_changes, server_version_num,
+    slot_exists,
 )
 
 if TYPE_CHECKING:
@@ -70,17 +71,15 @@ def _refuse_a_slot_that_would_skip_changes(conn: psycopg.Connection, config: Con
     failover to a server without a synced copy of the slot, a dropped slot). Catalog targets
     (``tables.<t>.name``) are not read here."""
     source = config.source
-    if conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (source.slot,)).fetchone():
+    if slot_exists(conn, source.slot):
         return
     for oid, entry in sorted(TargetRegistry(config.target.warehouse).entries().items()):
         writer = None if entry["by_name"] else writer_versions(entry["location"]).get(f"{config.pipeline}/{oid}")
         if writer is not None:
             raise PreflightError(
                 f"replication slot {source.slot!r} does not exist on {source.describe()}, but this pipeline's targets "
-                f"hold its changes ({entry['schema']}.{entry['table']} up to LSN {format_lsn(writer.version)}): a new "
-                "slot would start now and miss every change since. After a failover to a server without a synced "
-                "copy of the slot, or a dropped slot: `cdc-apply resync --config <file> --all` creates the slot and "
-                "copies every table again (docs/operations.md, \"Failover\")")
+                f"hold its changes ({entry['schema']}.{entry['table']} up to LSN {format_lsn(writer.version)}): "
+                + SLOT_GONE)
 
 
 def _slot_advancer(conn: psycopg.Connection, config: Config, summary: RunSummary | None = None) -> Callable[[int], None]:

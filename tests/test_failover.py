@@ -12,7 +12,7 @@ import time
 import psycopg
 import pytest
 
-from cdc_apply.bench.failover import FAILURES, FailoverDrill, drill_failovers, print_failover_report
+from cdc_apply.bench.failover import FAILURES, FailoverDrill, drill_failovers, print_failover_report, wait_for
 from cdc_apply.config import parse_config
 from cdc_apply.live import BACKOFF_START_S, BackgroundReplicator
 from cdc_apply.lsn import parse_lsn
@@ -29,13 +29,6 @@ from tests.test_live import assert_delta_equals_postgres
 from tests.tcp_proxy import StallingProxy
 
 TABLES = {"public.accounts": ["id", "balance"], "public.journal": ["n", "note"]}
-
-
-def _wait_for(what: str, check, timeout: float = 60) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
 
 
 def _synced_up_to(standby: PgServer, primary: PgServer, slot: str) -> bool:
@@ -84,7 +77,7 @@ def test_a_promoted_standby_carries_the_failover_slot_on_exactly_once(spark, tmp
             for n in range(1, 6):
                 work(conn, n)
         drain(config, spark)
-        _wait_for("the standby's synced slot", lambda: _synced_up_to(standby, primary, "fo"))
+        wait_for("the standby's synced slot", lambda: _synced_up_to(standby, primary, "fo"), poll=0.3)
         status = pipeline_status(config)["slot"]
         assert (status["failover"], status["synced"]) == (True, False)  # the primary's own slot
         [copy] = status["standby_copies"]
@@ -97,15 +90,15 @@ def test_a_promoted_standby_carries_the_failover_slot_on_exactly_once(spark, tmp
             for n in range(6, 10):  # committed, replicated to the standby, not yet applied
                 work(conn, n)
             lsn = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
-        _wait_for("the standby's replay", lambda: psycopg.connect(standby.dsn, autocommit=True).execute(
-            "SELECT pg_last_wal_replay_lsn() >= %s", (lsn,)).fetchone()[0])
+        wait_for("the standby's replay", lambda: psycopg.connect(standby.dsn, autocommit=True).execute(
+            "SELECT pg_last_wal_replay_lsn() >= %s", (lsn,)).fetchone()[0], poll=0.3)
         # A run applies them, but the standby's copy of the slot is behind: the new primary sends
         # them again, and the targets' versions skip them.
         applied = drain(config, spark).confirmed_lsn
         primary.halt()
         standby.promote()
         with psycopg.connect(standby.dsn, autocommit=True) as conn:
-            _wait_for("the promotion", lambda: not conn.execute("SELECT pg_is_in_recovery()").fetchone()[0])
+            wait_for("the promotion", lambda: not conn.execute("SELECT pg_is_in_recovery()").fetchone()[0])
             behind = conn.execute("SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = 'fo'").fetchone()
             assert behind is not None and parse_lsn(str(behind[0])) < applied  # the synced copy survived the promotion
             for n in range(10, 14):
@@ -215,7 +208,7 @@ def test_a_standby_slot_that_does_not_exist_is_named_at_start(caplog) -> None:  
         conn.execute("SELECT pg_create_physical_replication_slot('gone')")  # the server checks the names when set
         conn.execute("ALTER SYSTEM SET synchronized_standby_slots = 'present, gone'")
         conn.execute("SELECT pg_reload_conf()")
-        _wait_for("the setting", lambda: conn.execute("SHOW synchronized_standby_slots").fetchone()[0] != "")
+        wait_for("the setting", lambda: conn.execute("SHOW synchronized_standby_slots").fetchone()[0] != "")
         conn.execute("SELECT pg_drop_replication_slot('gone')")
         assert missing_standby_slots(conn) == ["gone"]
         HealthMonitor(config.source).check(conn, starting=True)

@@ -60,7 +60,8 @@ class FailoverTimes:
         return self.reconnect_s + self.apply_s
 
 
-def _wait_for(what: str, check: Callable[[], bool], timeout: float = 120.0, poll: float = POLL_S) -> None:
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 120.0, poll: float = POLL_S) -> None:
+    """Poll ``check`` until it holds; TimeoutError naming ``what`` after ``timeout`` seconds."""
     started = time.monotonic()
     while not check():
         if time.monotonic() - started > timeout:
@@ -138,11 +139,11 @@ class FailoverDrill:
             conn.execute("SELECT pg_reload_conf()")
             conn.execute("INSERT INTO journal VALUES (-1, 0, 'failover marker')")
             marker = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
-            _wait_for("the pipeline's walsender on the new primary", lambda: conn.execute(
+            wait_for("the pipeline's walsender on the new primary", lambda: conn.execute(
                 "SELECT active_pid IS NOT NULL FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)).fetchone()
                 == (True,), timeout=180)
             attached_at = time.monotonic()
-            _wait_for("the marker applied", lambda: self._confirmed(conn) >= marker, timeout=180)
+            wait_for("the marker applied", lambda: self._confirmed(conn) >= marker, timeout=180)
             applied_at = time.monotonic()
         self.standby.rebuild_as_standby_of(self.primary, STANDBY_SLOT)
         self._name_the_standby(self.primary)
@@ -168,7 +169,7 @@ class FailoverDrill:
             return _query(self.standby.dsn, "SELECT synced AND NOT temporary FROM pg_replication_slots "
                           "WHERE slot_name = %s", SLOT) == (True,)
 
-        _wait_for("the standby's synchronized slot", synced, timeout=180, poll=0.5)
+        wait_for("the standby's synchronized slot", synced, timeout=180, poll=0.5)
 
     def close(self) -> None:
         try:

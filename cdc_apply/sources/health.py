@@ -24,7 +24,7 @@ import psycopg
 
 from cdc_apply.config import SourceConfig
 from cdc_apply.errors import CdcApplyError
-from cdc_apply.sources.slot import FAILOVER_SLOTS_VERSION
+from cdc_apply.sources.slot import FAILOVER_SLOTS_VERSION, SLOT_GONE
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +178,7 @@ class HealthMonitor:
         if starting and not health.exists:
             raise SlotUnusable(f"replication slot {source.slot!r} does not exist on {source.describe()} "
                                f"(server {conn.info.host}:{conn.info.port}), though this pipeline read it before: "
-                               "a failover to a server without a synced copy of it, or the slot was dropped. A new "
-                               "slot would start now and miss every change since. Recover: `cdc-apply resync "
-                               "--config <file> --all` creates the slot and copies every table again "
-                               "(docs/operations.md, \"Failover\")")
+                               + SLOT_GONE)
         if health.exists and health.wal_status == "lost":
             raise SlotUnusable(_invalidated(health, source))
         watching_active = starting or own_pid is not None  # a peek of our own also shows as active

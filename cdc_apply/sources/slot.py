@@ -93,6 +93,16 @@ def drop_slot(conn: psycopg.Connection, slot: str) -> None:
     conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
 
 
+# Why a missing slot is never created again silently, and the way back: every refusal ends with it.
+SLOT_GONE = ("a failover to a server without a synced copy of the slot, or the slot was dropped: a new slot would "
+             "start now and miss every change since. Recover: `cdc-apply resync --config <file> --all` creates the "
+             "slot and copies every table again (docs/operations.md, \"Failover\")")
+
+
+def slot_exists(conn: psycopg.Connection, slot: str) -> bool:
+    return conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone() is not None
+
+
 def release_stalled_reader(conn: psycopg.Connection, slot: str, backend_pid: int) -> bool:
     """End ``backend_pid`` if it still holds ``slot``: the walsender of a connection this process gave
     up as stalled. The server would end it only after ``wal_sender_timeout``, and until then the

@@ -38,7 +38,8 @@ from cdc_apply.sources.capture import read_captures
 from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import (
-    PgOutputOptions, advance_slot, confirmed_flush, current_wal_lsn, read_changes, server_version_num,
+    SLOT_GONE, PgOutputOptions, advance_slot, confirmed_flush, current_wal_lsn, read_changes, server_version_num,
+    slot_exists,
 )
 from cdc_apply.spark.options import ReaderOptions, reader_options
 from cdc_apply.spark.rows import SPARK_DDL, record_batches, typed_schema
@@ -142,13 +143,11 @@ class PgOutputBatchReader(DataSourceReader):
 
 def _require_slot(conn: psycopg.Connection, slot: str, checkpoint_lsn: str) -> None:
     """A query resumed from a checkpoint never creates its slot again: a new slot would start now."""
-    if conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone() is None:
+    if not slot_exists(conn, slot):
         raise CdcApplyError(
             f"replication slot {slot!r} does not exist on {conn.info.host}:{conn.info.port}, but this query's "
-            f"checkpoint is at LSN {checkpoint_lsn}: a failover to a server without a synced copy of the slot, or "
-            "the slot was dropped. A new slot would miss every change since. Recover: stop the query, run "
-            "`cdc-apply resync --config <file> --all` (it creates the slot and copies every table again), and "
-            "start the query with a new checkpoint location (docs/operations.md, \"Failover\")")
+            f"checkpoint is at LSN {checkpoint_lsn}: {SLOT_GONE}. Stop the query first, and start it again with a "
+            "new checkpoint location")
 
 
 def _read_range(options: ReaderOptions, part: SlotRange, images: TableImages | None) -> Iterator[pa.RecordBatch]:
