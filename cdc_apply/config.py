@@ -223,7 +223,14 @@ class BatchingConfig(_Strict):
 
 class SnapshotConfig(_Strict):
     enabled: bool = True  # copy each published table before streaming its changes
-    chunk_rows: int = Field(100_000, ge=1, le=MAX_CHANGES)
+    # spark: page ranges read and written by Spark's tasks in parallel; driver: one COPY stream read
+    # on the driver in key order, a chunk per commit (docs/live.md, "Initial copy").
+    method: Literal["spark", "driver"] = "spark"
+    chunk_rows: int = Field(100_000, ge=1, le=MAX_CHANGES)  # rows converted at once (per task, or per driver commit)
+    parallelism: int | None = Field(None, ge=1, le=10_000)  # None: Spark's default parallelism
+    max_connections: int = Field(8, ge=1, le=10_000)  # at most this many tasks (each a connection) at once
+    range_pages: int = Field(4096, ge=1, le=2**31 - 1)  # heap pages per range: 32 MB of 8 kB pages
+    ranges_per_commit: int = Field(64, ge=1, le=1_000_000)  # ranges per Delta commit: what a resumed copy keeps
 
 
 class StreamConfig(_Strict):

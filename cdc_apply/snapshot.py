@@ -36,21 +36,28 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.evolve import apply_actions
-from cdc_apply.apply.targets import Target
+from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED
+from cdc_apply.apply.sessionconf import DataCommit
+from cdc_apply.apply.targets import SourceState, Target, quote
 from cdc_apply.assemble import Transaction
 from cdc_apply.changerows.columns import inserted_images
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
-from cdc_apply.lsn import datetime_to_pg_us, format_lsn, parse_lsn
+from cdc_apply.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_datetime
 from cdc_apply.progress import progress
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.sources.slot import confirmed_flush
 from cdc_apply.sources.snapshot import ExportedSnapshot, PublishedTable, published_tables
+from cdc_apply.spark.pgcopy import CopyNeedsDriver, TableCopy, copy_frame
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 log = logging.getLogger(__name__)
 
@@ -148,57 +155,170 @@ class Snapshotter:
     def _copy(self, snapshot: ExportedSnapshot, table: PublishedTable, estimate: int | None) -> TableSnapshot:
         started = time.perf_counter()
         relation = table.relation
-        chunk_version = snapshot.consistent_lsn - 1
-        target, existed = self.applier.ensure_target(relation, (chunk_version, 0))
+        target, existed = self.applier.ensure_target(relation, (snapshot.consistent_lsn - 1, 0))
         key = self._unique_key(table)
-        resumed = _copy_progress(target, key, relation) if existed else None
+        on_executors = self._on_executors(relation)
+        layout = {"method": "ranges", "sources": snapshot.copy_sources(table)} if on_executors \
+            else {"method": "key order"}
+        resumed = _copy_progress(target, key, relation, layout) if existed else None
         if resumed is not None and self._slot_confirmed() > parse_lsn(resumed["since_lsn"]):  # type: ignore[arg-type]
             resumed = None  # the slot no longer holds the changes since the first rows: copy again
-        if existed and resumed is None and self.resyncs.pending(relation.oid):
-            target = self.applier.recreate_target(relation, (chunk_version, 0))  # today's schema, no rows
-        elif existed and resumed is None:
-            target.clear()  # a copy that was cut short, and cannot be resumed
-        since = parse_lsn(resumed["since_lsn"]) if resumed else snapshot.consistent_lsn
+        if existed and resumed is None:
+            target = self._emptied(target, relation, snapshot.consistent_lsn - 1)
         # A resumed copy's rows carry the first snapshot's point too, the version the table gets: a
         # row changed since is merged again from the stream with its own LSN, and the others' last
         # change came before that first snapshot.
-        chunk_version = since - 1
-        after: list[str] | None = resumed["after"] if resumed else None
-        rows = int(resumed["rows"]) if resumed else 0
-        if resumed:
-            log.info("resuming the copy of %s after key %s (%d rows copied)", table.qualified_name, after, rows)
-        commit_ts = datetime_to_pg_us(datetime.now(timezone.utc))
-        positions = [[c.name for c in relation.columns].index(k) for k in key]
-        with progress(f"snapshot {table.qualified_name}", estimate) as advance:
-            for chunk in snapshot.rows(table, self.config.snapshot.chunk_rows, key, after):
-                first_row = rows
-                rows += len(chunk)
-                after = [chunk.text(len(chunk) - 1, i) or "" for i in positions]  # a unique key's values are not null
-                copied = {"since_lsn": format_lsn(since), "consistent_lsn": format_lsn(snapshot.consistent_lsn),
-                          "key": list(key), "after": after, "rows": rows, "columns": _column_signature(relation)}
-                self.applier.write_snapshot_chunk(
-                    relation, inserted_images(chunk.buf, chunk.is_null, chunk.starts, chunk.lengths), first_row,
-                    chunk_version, commit_ts, copied if key else None)
-                advance(len(chunk))
-                failpoint("snapshot_chunk")
+        since = parse_lsn(resumed["since_lsn"]) if resumed else snapshot.consistent_lsn  # type: ignore[arg-type]
+        progress = {"since_lsn": format_lsn(since), "consistent_lsn": format_lsn(snapshot.consistent_lsn),
+                    "key": list(key), "columns": _column_signature(relation), **layout}
+        copy = _TableCopyRun(table, target, since, progress, resumed,
+                             datetime_to_pg_us(datetime.now(timezone.utc)))
+        if on_executors:
+            try:
+                rows = self._copy_ranges(snapshot, copy, estimate)
+            except CopyNeedsDriver as exc:
+                log.warning("%s: copied by the driver instead of Spark's tasks (%s)", table.qualified_name, exc)
+                target = self._emptied(target, relation, snapshot.consistent_lsn - 1)
+                since = snapshot.consistent_lsn
+                progress.update(since_lsn=format_lsn(since), method="key order")
+                progress.pop("sources", None)
+                copy = _TableCopyRun(table, target, since, progress, None, copy.commit_ts)
+                rows = self._copy_in_key_order(snapshot, copy, estimate)
+        else:
+            rows = self._copy_in_key_order(snapshot, copy, estimate)
         if since != snapshot.consistent_lsn:  # resumed: rows of two snapshots; merge up to the newer one
             state = target.source_state()
             if state is not None:
                 state.merge_until = snapshot.consistent_lsn
                 apply_actions(target, [], state, format_lsn(snapshot.consistent_lsn))
-        version = since - 1
-        target.record_version(self.applier.app_id(relation.oid), version, json.dumps(
+        target.record_version(self.applier.app_id(relation.oid), since - 1, json.dumps(
             {"cdc_apply": "snapshot complete", "rows": rows, "consistent_lsn": format_lsn(since)}))
         self.resyncs.remove(relation.oid)
         seconds = time.perf_counter() - started
         log.info("snapshot of %s: %d rows in %.1f s", table.qualified_name, rows, seconds)
         return TableSnapshot(table.qualified_name, rows, snapshot.consistent_lsn, seconds)
 
+    def _on_executors(self, relation: m.Relation) -> bool:
+        """Spark's tasks copy the table unless the config says the driver does, or the target keeps
+        versions (SCD type 2), whose rows the history collapse writes."""
+        options = self.applier.options.for_table(relation.namespace, relation.name)
+        return self.config.snapshot.method == "spark" and options.scd_type != 2
 
-def _copy_progress(target: Target, key: tuple[str, ...], relation: m.Relation) -> dict[str, object] | None:
+    def _emptied(self, target: Target, relation: m.Relation, version: int) -> Target:
+        """The target without the rows of a copy that cannot be resumed: for a resync, replaced by
+        an empty one of today's schema; otherwise cleared."""
+        if self.resyncs.pending(relation.oid):
+            return self.applier.recreate_target(relation, (version, 0))
+        target.clear()
+        return target
+
+    def _copy_in_key_order(self, snapshot: ExportedSnapshot, copy: _TableCopyRun, estimate: int | None) -> int:
+        """The driver's copy: one COPY stream, ``chunk_rows`` at a time, each chunk its own commit,
+        in key order when the table has a unique key (a copy cut short resumes after the last key)."""
+        table, relation, key = copy.table, copy.table.relation, tuple(copy.progress["key"])  # type: ignore[arg-type]
+        after: list[str] | None = copy.resumed["after"] if copy.resumed else None  # type: ignore[assignment]
+        rows = int(copy.resumed["rows"]) if copy.resumed else 0  # type: ignore[arg-type]
+        if copy.resumed:
+            log.info("resuming the copy of %s after key %s (%d rows copied)", table.qualified_name, after, rows)
+        positions = [[c.name for c in relation.columns].index(k) for k in key]
+        with progress(f"snapshot {table.qualified_name}", estimate) as advance:
+            for chunk in snapshot.rows(table, self.config.snapshot.chunk_rows, key, after):
+                first_row = rows
+                rows += len(chunk)
+                after = [chunk.text(len(chunk) - 1, i) or "" for i in positions]  # a unique key's values are not null
+                self.applier.write_snapshot_chunk(
+                    relation, inserted_images(chunk.buf, chunk.is_null, chunk.starts, chunk.lengths), first_row,
+                    copy.since - 1, copy.commit_ts, {**copy.progress, "after": after, "rows": rows} if key else None)
+                advance(len(chunk))
+                failpoint("snapshot_chunk")
+        return rows
+
+    def _copy_ranges(self, snapshot: ExportedSnapshot, copy: _TableCopyRun, estimate: int | None) -> int:
+        """Spark's tasks copy the table's page ranges (``spark/pgcopy.py``), ``ranges_per_commit`` per
+        Delta commit, in page order; each commit records the range it ended at. A resumed copy (a
+        table with a unique key) reads the ranges left from a new snapshot and merges them by key: a
+        row that moved pages between the two snapshots may be in the rows copied already."""
+        settings = self.config.snapshot
+        table, target = copy.table, copy.target
+        after = copy.resumed["after"] if copy.resumed else None
+        _, ranges = snapshot.page_ranges(table, settings.range_pages, tuple(after) if after else None)  # type: ignore[arg-type]
+        rows = target.read().count() if copy.resumed else 0
+        if copy.resumed:
+            log.info("resuming the copy of %s after range %s (%d rows copied)", table.qualified_name, after, rows)
+        state = target.source_state()
+        assert state is not None  # ensure_target made it
+        spark = self.applier.spark
+        tasks = min(settings.parallelism or spark.sparkContext.defaultParallelism, settings.max_connections)
+        job = TableCopy(self.config.source.conninfo(), snapshot.name, table, state.column_map(), target.data_types(),
+                        frozenset(self._text_columns(table.relation, state)), dict(self.applier.schema.types.named),
+                        settings.chunk_rows)
+        with progress(f"snapshot {table.qualified_name}", estimate) as advance:
+            for first in range(0, len(ranges), settings.ranges_per_commit):
+                wave = ranges[first:first + settings.ranges_per_commit]
+                metadata = json.dumps({"cdc_apply": "snapshot", "pipeline": self.config.pipeline,
+                                       "relation_oid": table.relation.oid, "source": table.qualified_name,
+                                       "copy": {**copy.progress, "after": [wave[-1].source, wave[-1].end_page]}},
+                                      sort_keys=True)
+                frame = self._with_metadata_columns(copy_frame(spark, job, wave, tasks), copy, table.relation)
+                written = self._write_copied(target, frame, metadata, state.keys if copy.resumed else ())
+                rows += written
+                advance(written)
+                failpoint("snapshot_chunk")
+        return rows
+
+    def _text_columns(self, relation: m.Relation, state: SourceState) -> set[str]:
+        """Source columns converted as PostgreSQL's exact text: the config's and those evolve switched."""
+        types = self.applier.schema
+        return {c.name for c in relation.columns
+                if c.name in state.text_columns or types.column_type(relation.namespace, relation.name, c.name) == "string"}
+
+    def _with_metadata_columns(self, frame: DataFrame, copy: _TableCopyRun, relation: m.Relation) -> DataFrame:
+        """The copied rows with the metadata columns a snapshot chunk's rows get: the copy's version
+        as their commit LSN, its start as their commit time, and not deleted."""
+        from pyspark.sql import functions as F
+
+        frame = frame.withColumn(COMMIT_LSN, F.lit(copy.since - 1).cast("bigint")).withColumn(
+            COMMIT_TS, F.lit(pg_us_to_datetime(copy.commit_ts)).cast("timestamp"))
+        if self.applier.options.for_table(relation.namespace, relation.name).delete_mode == "soft":
+            frame = frame.withColumn(DELETED, F.lit(False))
+        return frame
+
+    @staticmethod
+    def _write_copied(target: Target, frame: DataFrame, metadata: str, merge_keys: tuple[str, ...]) -> int:
+        """One commit of copied rows: appended, or merged by ``merge_keys`` (a resumed copy's rows);
+        returns how many rows it wrote (from the commit's metrics)."""
+        with DataCommit(None, 0, metadata).checked(target.spark):
+            if merge_keys:
+                condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in merge_keys)
+                target.delta().alias("t").merge(frame.alias("s"), condition) \
+                    .whenMatchedUpdateAll().whenNotMatchedInsertAll().execute()
+            else:
+                target.write(frame, "append")
+        metrics = target.delta().history(1).collect()[0].operationMetrics or {}
+        if merge_keys:
+            return int(metrics.get("numTargetRowsInserted", 0)) + int(metrics.get("numTargetRowsUpdated", 0))
+        return int(metrics.get("numOutputRows", 0))
+
+
+@dataclass
+class _TableCopyRun:
+    """One table's copy in this run: where it goes, the version its rows get (``since - 1``), the
+    commit metadata every commit of it records (``progress``), and what an earlier run copied."""
+
+    table: PublishedTable
+    target: Target
+    since: int
+    progress: dict[str, object]
+    resumed: dict[str, object] | None
+    commit_ts: int
+
+
+def _copy_progress(target: Target, key: tuple[str, ...], relation: m.Relation,
+                   layout: dict[str, object]) -> dict[str, object] | None:
     """Where a copy cut short got to: the ``"copy"`` metadata of the target's newest commit, which is
-    the last chunk written, when the copy can go on (the same unique key and columns as now); None
-    to start over (no chunk yet, a clear, another key or other columns)."""
+    the last chunk or range written, when the copy can go on (the same unique key, columns and
+    layout: method, and storage relations for ranges); None to start over (no commit yet, a clear,
+    another key, other columns, or partitions attached or detached since)."""
     if not key:
         return None
     newest = target.delta().history(1).select("userMetadata").collect()
@@ -207,7 +327,8 @@ def _copy_progress(target: Target, key: tuple[str, ...], relation: m.Relation) -
     except ValueError:
         return None
     copied = metadata.get("copy") if metadata.get("cdc_apply") == "snapshot" else None
-    if not copied or copied.get("key") != list(key) or copied.get("columns") != _column_signature(relation):
+    if not copied or copied.get("key") != list(key) or copied.get("columns") != _column_signature(relation) \
+            or any(copied.get(name) != value for name, value in layout.items()):
         return None
     return copied
 

@@ -29,9 +29,13 @@ INSERT INTO journal SELECT 9, g, NULL FROM generate_series(1, 500) g;
 """
 
 
-def _config(conninfo: str, warehouse: str, chunk_rows: int = 4000):  # type: ignore[no-untyped-def]
+# Small ranges and commits, so that these tables' copies take several of each.
+SMALL_RANGES = {"chunk_rows": 4000, "range_pages": 20, "ranges_per_commit": 2}
+
+
+def _config(conninfo: str, warehouse: str, **snapshot: object):  # type: ignore[no-untyped-def]
     return parse_config({"pipeline": "snap", "source": {"dsn": conninfo, "slot": "snap", "publication": "load"},
-                         "target": {"warehouse": warehouse}, "snapshot": {"chunk_rows": chunk_rows}})
+                         "target": {"warehouse": warehouse}, "snapshot": SMALL_RANGES | snapshot})
 
 
 def test_snapshot_under_writes_then_stream_and_a_table_added_later(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -53,7 +57,8 @@ def test_snapshot_under_writes_then_stream_and_a_table_added_later(db18, spark, 
         drain(config, spark)
         assert_delta_equals_postgres(spark, conn, warehouse)
         history = Target(spark, f"{warehouse}/public/accounts", False).delta().history().collect()
-        assert sum('"snapshot"' in (h.userMetadata or "") for h in history) >= 5  # 20000+ rows in 4000-row chunks
+        copies = [json.loads(h.userMetadata)["copy"] for h in history if '"snapshot"' in (h.userMetadata or "")]
+        assert len(copies) >= 3 and all(c["method"] == "ranges" for c in copies)  # 100+ pages, 40 per commit
 
         # A table joins the publication later, with rows, a row filter and a column list.
         conn.execute("CREATE TABLE late (id int PRIMARY KEY, region text, secret text, v int)")

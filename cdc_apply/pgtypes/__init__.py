@@ -34,6 +34,7 @@ class TypeCache:
 
     def __init__(self, column_types: ColumnTypeOverride | None = None) -> None:
         self.custom: dict[int, PgType] = {}
+        self.named: dict[int, tuple[str, str]] = {}  # what ``add`` was given: a copy of the cache in another process
         self.column_types = column_types
 
     def for_column(self, namespace: str, table: str, name: str, type_oid: int) -> PgType:
@@ -45,6 +46,7 @@ class TypeCache:
 
     def add(self, oid: int, namespace: str, name: str) -> PgType:
         qualified = f"{namespace}.{name}" if namespace else name
+        self.named[oid] = (namespace, name)
         if name.startswith("_"):  # PostgreSQL names an array type after its element with a '_'
             pg_type = array_type(oid, custom_type(0, f"{namespace}.{name[1:]}"))
         else:

@@ -13,7 +13,7 @@ streamed later are judged against one schema.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -76,14 +76,10 @@ class ExportedSnapshot:
         ``chunk_rows`` at a time; ordered by the unique key ``order_by`` and, when ``after`` (its
         text values) is given, only the rows past it: the rest of a copy cut short."""
         relation = table.relation
-        columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in relation.columns)
-        # ONLY: an inheritance parent's children are published (and copied) as tables of their own.
-        query = sql.SQL("SELECT {} FROM {}{}").format(columns, sql.SQL("" if table.partitioned else "ONLY "),
-                                                      sql.Identifier(relation.namespace, relation.name))
-        conditions: list[sql.Composable] = []
-        if table.row_filter:
-            conditions.append(sql.SQL(table.row_filter))  # type: ignore[arg-type]
+        source = sql.SQL("{}{}").format(sql.SQL("" if table.partitioned else "ONLY "),
+                                        sql.Identifier(relation.namespace, relation.name))
         with self._inside(f"{table.qualified_name} was copied") as conn:
+            conditions: list[sql.Composable] = []
             if after is not None:
                 kinds = [conn.execute("SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
                                       "WHERE attrelid = %s AND attname = %s", (relation.oid, name)).fetchone()[0]
@@ -92,30 +88,37 @@ class ExportedSnapshot:
                     sql.SQL(", ").join(map(sql.Identifier, order_by)),
                     sql.SQL(", ").join(sql.SQL("CAST({} AS {})").format(sql.Literal(value), sql.SQL(kind))
                                        for value, kind in zip(after, kinds, strict=True))))
-            if conditions:
-                query = sql.SQL("{} WHERE {}").format(
-                    query, sql.SQL(" AND ").join(sql.SQL("({})").format(c) for c in conditions))
-            if order_by:
-                query = sql.SQL("{} ORDER BY {}").format(query, sql.SQL(", ").join(map(sql.Identifier, order_by)))
-            conn.execute("SET client_encoding TO 'UTF8'")  # the values go to the converters as UTF-8 bytes
-            copied = 0
-            columns = len(relation.columns)
+            yield from _copy_chunks(conn, table, source, conditions, order_by, chunk_rows,
+                                    f"COPY of {table.qualified_name}")
 
-            def where(row: int) -> str:
-                return f"COPY of {table.qualified_name}, row {copied + row + 1}"
+    def copy_sources(self, table: PublishedTable) -> list[int]:
+        """The OIDs of the relations that store the table's rows at the snapshot (``copy_sources``)."""
+        with self._inside(f"{table.qualified_name} was planned") as conn:
+            return [oid for oid, _, _ in copy_sources(conn, table)]
 
-            with conn.cursor().copy(sql.SQL("COPY ({}) TO STDOUT").format(query)) as copy:
-                chunk = bytearray()
-                count = 0
-                for data in copy:  # one row per message
-                    chunk += data
-                    count += 1
-                    if count >= chunk_rows:
-                        yield parse_copy_text(bytes(chunk), columns, where)
-                        copied += count
-                        chunk, count = bytearray(), 0
-                if count:
-                    yield parse_copy_text(bytes(chunk), columns, where)
+    def page_ranges(self, table: PublishedTable, range_pages: int,
+                    after: tuple[int, int | None] | None = None) -> tuple[list[int], list[CopyRange]]:
+        """The table's heap split into ranges of ``range_pages`` pages, each copied on its own
+        (``read_range``): per storage relation (the table, or each leaf partition of a partition
+        root, ``copy_sources``), in page order, the last range of each open-ended (a relation's
+        size is read after the export, when it can only have grown). Returns the storage relations'
+        OIDs and the ranges; ``after`` (a storage relation's index and the page a copy cut short
+        ended at, None when it finished that relation) leaves out what was copied."""
+        with self._inside(f"{table.qualified_name} was planned") as conn:
+            sources = copy_sources(conn, table)
+            block = int(conn.execute("SELECT current_setting('block_size')").fetchone()[0])
+            ranges = []
+            for index, (oid, namespace, name) in enumerate(sources):
+                first = 0
+                if after is not None:
+                    if index < after[0] or (index == after[0] and after[1] is None):
+                        continue
+                    first = after[1] if index == after[0] else 0  # type: ignore[assignment]
+                pages = int(conn.execute("SELECT pg_relation_size(%s)", (oid,)).fetchone()[0]) // block
+                starts = list(range(first, max(pages, first + 1), range_pages))
+                ranges += [CopyRange(index, namespace, name, start, None if i == len(starts) - 1 else start + range_pages)
+                           for i, start in enumerate(starts)]
+            return [oid for oid, _, _ in sources], ranges
 
     def published_tables(self, publications: Sequence[str]) -> list[PublishedTable]:
         """The publications' tables as the snapshot sees them. Creating the export waits for running
@@ -124,20 +127,98 @@ class ExportedSnapshot:
         with self._inside(f"the publication(s) {', '.join(publications)} were described") as conn:
             return published_tables(conn, publications)
 
-    @contextmanager
-    def _inside(self, before: str) -> Iterator[psycopg.Connection]:
-        """A read-only transaction that sees exactly the exported snapshot."""
-        with psycopg.connect(self.conninfo) as conn:
-            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            try:
-                conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.name)))
-            except psycopg.errors.UndefinedObject:
-                raise SnapshotLost(f"the exported snapshot {self.name} of temporary slot {self.slot} is gone "
-                                   f"(its connection ended) before {before}") from None
-            try:
-                yield conn
-            finally:
-                conn.rollback()
+    def _inside(self, before: str) -> AbstractContextManager[psycopg.Connection]:
+        return snapshot_transaction(self.conninfo, self.name, f"the exported snapshot {self.name} of temporary slot "
+                                    f"{self.slot}", before)
+
+
+@dataclass(frozen=True)
+class CopyRange:
+    """Heap pages ``[first_page, end_page)`` of one storage relation of a table (the table itself, or
+    a leaf partition of a partition root); ``end_page`` None: to its end."""
+
+    source: int  # the storage relation's index in ``copy_sources``
+    namespace: str
+    name: str
+    first_page: int
+    end_page: int | None
+
+
+def copy_sources(conn: psycopg.Connection, table: PublishedTable) -> list[tuple[int, str, str]]:
+    """The relations that store a published table's rows: (OID, schema, name) of the table, or of
+    each leaf partition of a partition root, in OID order."""
+    relation = table.relation
+    if not table.partitioned:
+        return [(relation.oid, relation.namespace, relation.name)]
+    return [(int(oid), namespace, name) for oid, namespace, name in conn.execute(
+        "SELECT c.oid, n.nspname, c.relname FROM pg_partition_tree(%s) t JOIN pg_class c ON c.oid = t.relid "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE t.isleaf AND c.relkind = 'r' ORDER BY c.oid",
+        (relation.oid,)).fetchall()]
+
+
+def read_range(conninfo: str, snapshot: str, table: PublishedTable, pages: CopyRange,
+               chunk_rows: int) -> Iterator[CopyRows]:
+    """One range of a table's rows at an exported snapshot, on a connection of its own (a Spark
+    task's): ``COPY (SELECT ... WHERE ctid in the range AND <row filter>)``, which PostgreSQL 14+
+    reads by a TID range scan, ``chunk_rows`` at a time."""
+    source = sql.SQL("ONLY {}").format(sql.Identifier(pages.namespace, pages.name))
+    bounds = [sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({pages.first_page},0)"))]
+    if pages.end_page is not None:
+        bounds.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({pages.end_page},0)")))
+    where = f"COPY of {table.qualified_name} ({pages.namespace}.{pages.name} pages {pages.first_page}.." \
+            f"{'' if pages.end_page is None else pages.end_page})"
+    with snapshot_transaction(conninfo, snapshot, f"the exported snapshot {snapshot}", where) as conn:
+        yield from _copy_chunks(conn, table, source, bounds, (), chunk_rows, where)
+
+
+@contextmanager
+def snapshot_transaction(conninfo: str, snapshot: str, described: str, before: str) -> Iterator[psycopg.Connection]:
+    """A read-only transaction that sees exactly the exported ``snapshot``."""
+    with psycopg.connect(conninfo) as conn:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        try:
+            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+        except (psycopg.errors.UndefinedObject, psycopg.errors.InvalidParameterValue):
+            raise SnapshotLost(f"{described} is gone (its connection ended) before {before}") from None
+        try:
+            yield conn
+        finally:
+            conn.rollback()
+
+
+def _copy_chunks(conn: psycopg.Connection, table: PublishedTable, source: sql.Composable,
+                 conditions: list[sql.Composable], order_by: Sequence[str], chunk_rows: int,
+                 where: str) -> Iterator[CopyRows]:
+    """``COPY (SELECT <published columns> FROM source WHERE conditions AND <row filter>)``, parsed
+    ``chunk_rows`` at a time; ``where`` names the copy in errors (with the row number)."""
+    relation = table.relation
+    columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in relation.columns)
+    query = sql.SQL("SELECT {} FROM {}").format(columns, source)
+    if table.row_filter:
+        conditions = [*conditions, sql.SQL(table.row_filter)]  # type: ignore[arg-type]
+    if conditions:
+        query = sql.SQL("{} WHERE {}").format(query, sql.SQL(" AND ").join(sql.SQL("({})").format(c) for c in conditions))
+    if order_by:
+        query = sql.SQL("{} ORDER BY {}").format(query, sql.SQL(", ").join(map(sql.Identifier, order_by)))
+    conn.execute("SET client_encoding TO 'UTF8'")  # the values go to the converters as UTF-8 bytes
+    copied = 0
+    width = len(relation.columns)
+
+    def located(row: int) -> str:
+        return f"{where}, row {copied + row + 1}"
+
+    with conn.cursor().copy(sql.SQL("COPY ({}) TO STDOUT").format(query)) as copy:
+        chunk = bytearray()
+        count = 0
+        for data in copy:  # one row per message
+            chunk += data
+            count += 1
+            if count >= chunk_rows:
+                yield parse_copy_text(bytes(chunk), width, located)
+                copied += count
+                chunk, count = bytearray(), 0
+        if count:
+            yield parse_copy_text(bytes(chunk), width, located)
 
 
 _TABLES_QUERY = """

@@ -74,9 +74,10 @@ def build_spark_session(overrides: Mapping[str, str] | None = None) -> SparkSess
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
-    from cdc_apply.spark.datasource import register
+    from cdc_apply.spark import datasource, pgcopy
 
-    register(spark)  # format("pgoutput")
+    datasource.register(spark)  # format("pgoutput")
+    pgcopy.register(spark)  # format("pgcopy"): the initial copy's tasks
     return spark
 
 

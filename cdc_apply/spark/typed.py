@@ -54,7 +54,7 @@ def spark_arrow(arrow: pa.DataType) -> pa.DataType:
     return arrow
 
 
-def _quoted(name: str) -> str:
+def quoted(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
@@ -94,7 +94,7 @@ class TableImages:
 
     def spark_ddl(self, image: str) -> str:
         columns = self.codec.columns
-        fields = [f"{_quoted(columns[i].name)}:{columns[i].pg_type.spark_type(columns[i].typmod)}"
+        fields = [f"{quoted(columns[i].name)}:{columns[i].pg_type.spark_type(columns[i].typmod)}"
                   for i in self._indexes(image)]
         return f"struct<{','.join(fields)}>"
 

@@ -1,0 +1,146 @@
+"""``format("pgcopy")``: one table's rows at an exported snapshot, read by Spark's tasks in parallel.
+
+The initial copy's executor side (docs/live.md, "Initial copy"). The driver plans the table's
+page ranges (``ExportedSnapshot.page_ranges``) and hands them over with a ``TableCopy``; each
+task opens its own connection, joins the exported snapshot, reads its ranges with
+``COPY (SELECT ... WHERE ctid ...)`` and converts each chunk with the converters the stream uses
+(``changerows`` and ``apply/columnar.py``, as a snapshot chunk on the driver is converted), and
+yields it as one ``pyarrow.RecordBatch``: a task holds one chunk at a time, the driver none.
+
+A chunk the columnar conversion does not take (a value its target column cannot hold, a value
+Arrow cannot represent) fails the task with ``NEEDS_DRIVER`` in its message: the driver then
+copies the table its own way, which converts row by row, switches a column to text under
+``evolve``, or names the value.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+from cdc_apply.apply.columnar import collapsed_columns, segment_rows
+from cdc_apply.assemble import Change, Transaction
+from cdc_apply.changerows.codec import UnrepresentableColumnError
+from cdc_apply.changerows.columns import InsertedRows, inserted_images
+from cdc_apply.changerows.segments import ChangeRowBuilder
+from cdc_apply.errors import CdcApplyError
+from cdc_apply.pgtypes import TypeCache, ValueConversionError
+from cdc_apply.pgtypes.sparktypes import arrow_type
+from cdc_apply.sources.copy_text import CopyRows
+from cdc_apply.sources.snapshot import CopyRange, PublishedTable, read_range
+from cdc_apply.spark.typed import quoted, spark_arrow
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+NEEDS_DRIVER = "cdc_apply: this copy needs the driver's conversion"
+
+
+@dataclass(frozen=True)
+class TableCopy:
+    """What every task of one table's copy needs, and nothing bigger: it is pickled into each task."""
+
+    conninfo: str
+    snapshot: str  # the exported snapshot's name
+    table: PublishedTable
+    column_map: Mapping[str, str | None]  # source column -> target column (None: not kept)
+    data_types: Mapping[str, str]  # target column -> Spark type, in the target's order
+    text_columns: frozenset[str] = frozenset()  # source columns converted as PostgreSQL's exact text
+    custom_types: Mapping[int, tuple[str, str]] = field(default_factory=dict)  # TypeCache.named
+    chunk_rows: int = 100_000
+
+    def type_cache(self) -> TypeCache:
+        text = self.text_columns
+        types = TypeCache(column_types=lambda _schema, _table, name: "string" if name in text else None)
+        for oid, (namespace, name) in self.custom_types.items():
+            types.add(oid, namespace, name)
+        return types
+
+
+class CopyNeedsDriver(CdcApplyError):
+    """A chunk the columnar conversion does not take; the driver copies the table row by row."""
+
+
+def chunk_batch(copy: TableCopy, rows: CopyRows, builder: ChangeRowBuilder) -> pa.RecordBatch:
+    """One COPY chunk as the target's columns: converted as ``BatchApplier.write_snapshot_chunk``
+    converts a chunk on the driver (inserts of a snapshot, collapsed as columns without a key)."""
+    relation = copy.table.relation
+    changes = [Change(i, "I", relation) for i in range(len(rows))]
+    images = inserted_images(rows.buf, rows.is_null, rows.starts, rows.lengths)
+    try:
+        segments = builder.build([Transaction(0, 0, 0, 0, changes, kind="snapshot")], InsertedRows(images))
+        table = segment_rows(segments[0])
+        collapsed = None if table is None else collapsed_columns(table, None, copy.column_map, (), copy.data_types)
+    except (UnrepresentableColumnError, ValueConversionError) as exc:
+        raise CopyNeedsDriver(f"{NEEDS_DRIVER}: {exc}") from None
+    if collapsed is None:
+        raise CopyNeedsDriver(f"{NEEDS_DRIVER}: {copy.table.qualified_name} has values Arrow does not hold as they are")
+    names = list(copy.data_types)
+    return pa.RecordBatch.from_arrays(
+        [collapsed.columns[n].cast(spark_arrow(arrow_type(copy.data_types[n]))) for n in names], names=names)
+
+
+class CopyPartition(InputPartition):
+    def __init__(self, index: int, ranges: Sequence[CopyRange]) -> None:
+        super().__init__(index)
+        self.ranges = list(ranges)
+
+
+class PgCopyDataSource(DataSource):
+    """Options: ``copy`` (a pickled ``TableCopy``), ``ranges`` (pickled lists of ``CopyRange``, one per task)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "pgcopy"
+
+    def schema(self) -> str:
+        copy = _unpickled(self.options["copy"])
+        return ", ".join(f"{quoted(name)} {kind}" for name, kind in copy.data_types.items())
+
+    def reader(self, schema: object) -> DataSourceReader:
+        return PgCopyReader(_unpickled(self.options["copy"]), _unpickled(self.options["ranges"]))
+
+
+class PgCopyReader(DataSourceReader):
+    def __init__(self, copy: TableCopy, tasks: list[list[CopyRange]]) -> None:
+        self.copy = copy
+        self.tasks = tasks
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return [CopyPartition(i, ranges) for i, ranges in enumerate(self.tasks)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
+        copy = self.copy
+        builder = ChangeRowBuilder(copy.type_cache())
+        for pages in partition.ranges:  # type: ignore[attr-defined]
+            for rows in read_range(copy.conninfo, copy.snapshot, copy.table, pages, copy.chunk_rows):
+                yield chunk_batch(copy, rows, builder)
+
+
+def copy_frame(spark: SparkSession, copy: TableCopy, ranges: Sequence[CopyRange], tasks: int) -> DataFrame:
+    """The ranges' rows as a DataFrame of the target's columns, read by ``tasks`` Spark tasks (each
+    range whole in one task, spread round robin so that neighbouring ranges run at once)."""
+    tasks = max(1, min(tasks, len(ranges)))
+    spread = [list(ranges[i::tasks]) for i in range(tasks)]
+    return (spark.read.format("pgcopy").option("copy", _pickled(copy)).option("ranges", _pickled(spread)).load())
+
+
+def register(spark: SparkSession) -> None:
+    spark.dataSource.register(PgCopyDataSource)
+
+
+def _pickled(value: object) -> str:
+    return base64.b64encode(pickle.dumps(value)).decode("ascii")
+
+
+def _unpickled(text: str):  # type: ignore[no-untyped-def]
+    return pickle.loads(base64.b64decode(text))
+
+
+__all__ = ["NEEDS_DRIVER", "CopyNeedsDriver", "PgCopyDataSource", "TableCopy", "chunk_batch", "copy_frame"]
