@@ -54,7 +54,7 @@ from cdc_apply.progress import progress
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.sources.slot import confirmed_flush
 from cdc_apply.sources.snapshot import ExportedSnapshot, PublishedTable, published_tables
-from cdc_apply.spark.pgcopy import CopyNeedsDriver, TableCopy, copy_frame
+from cdc_apply.spark.pgcopy import CopyNeedsDriver, TableCopy, copy_frame, task_errors
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -260,7 +260,8 @@ class Snapshotter:
                                        "copy": {**copy.progress, "after": [wave[-1].source, wave[-1].end_page]}},
                                       sort_keys=True)
                 frame = self._with_metadata_columns(copy_frame(spark, job, wave, tasks), copy, table.relation)
-                written = self._write_copied(target, frame, metadata, state.keys if copy.resumed else ())
+                with task_errors(table.qualified_name):
+                    written = self._write_copied(target, frame, metadata, state.keys if copy.resumed else ())
                 rows += written
                 advance(written)
                 failpoint("snapshot_chunk")

@@ -112,6 +112,8 @@ def test_spark_submit_job(where, db18, spark, tmp_path, request) -> None:  # typ
     if where == "standalone":
         worker_log = (tmp_path / "worker.log").read_text()
         assert "Asked to launch executor" in worker_log  # the work ran on the cluster's worker
+        executor_logs = "".join(path.read_text() for path in (tmp_path / "work").glob("app-*/*/stderr"))
+        assert "cdc_apply copy task 0 of public.stock: 1 range(s), pages public.stock:0.." in executor_logs
 
 
 def test_airflow_dag_runs_a_batch_and_returns_its_summary(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]

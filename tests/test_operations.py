@@ -143,9 +143,9 @@ def test_healthz_says_wedged_after_two_status_intervals_of_silence() -> None:
         server.close()
 
 
-def _ops_config(dsn: str, warehouse: str, chunk_rows: int = 100_000, **source: object) -> Config:
+def _ops_config(dsn: str, warehouse: str, snapshot: dict[str, object] | None = None, **source: object) -> Config:
     return parse_config({"pipeline": "ops", "source": {"dsn": dsn, "slot": "ops", "publication": "load", **source},
-                         "target": {"warehouse": warehouse}, "snapshot": {"chunk_rows": chunk_rows}})
+                         "target": {"warehouse": warehouse}, "snapshot": snapshot or {}})
 
 
 def _write_wal(conn: psycopg.Connection, rows: int) -> None:
@@ -228,7 +228,7 @@ def _write_config(path: Path, config: Config) -> str:
 
 def test_resync_under_load_and_after_a_kill_ends_equal(load_db, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     conninfo, warehouse, conn = load_db
-    config = _ops_config(conninfo, warehouse, chunk_rows=40)
+    config = _ops_config(conninfo, warehouse, {"range_pages": 1, "ranges_per_commit": 1})  # a commit per page
     drain(config, spark)
     load = Load(conninfo, sessions=2, rate_per_session=40, big_every=30).start()
     time.sleep(2)
@@ -257,7 +257,7 @@ def test_resync_under_load_and_after_a_kill_ends_equal(load_db, spark, tmp_path)
                            "--table", "public.accounts"], capture_output=True, text=True, timeout=600)
     load.finish()
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "resuming the copy of public.accounts after key" in done.stderr
+    assert "resuming the copy of public.accounts after range [0, 2]" in done.stderr
     assert not any(row["resync_pending"] for row in pipeline_status(config)["tables"])
     drain(config, spark)
     assert_delta_equals_postgres(spark, conn, warehouse)

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import base64
 import pickle
+import re
+import sys
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,7 +36,7 @@ from cdc_apply.errors import CdcApplyError
 from cdc_apply.pgtypes import TypeCache, ValueConversionError
 from cdc_apply.pgtypes.sparktypes import arrow_type
 from cdc_apply.sources.copy_text import CopyRows
-from cdc_apply.sources.snapshot import CopyRange, PublishedTable, read_range
+from cdc_apply.sources.snapshot import CopyRange, PublishedTable, SnapshotLost, read_range
 from cdc_apply.spark.typed import quoted, spark_arrow
 
 if TYPE_CHECKING:
@@ -71,7 +74,9 @@ def chunk_batch(copy: TableCopy, rows: CopyRows, builder: ChangeRowBuilder) -> p
     """One COPY chunk as the target's columns: converted as ``BatchApplier.write_snapshot_chunk``
     converts a chunk on the driver (inserts of a snapshot, collapsed as columns without a key)."""
     relation = copy.table.relation
-    changes = [Change(i, "I", relation) for i in range(len(rows))]
+    # One change object for every row: a copy's rows are inserts in no order that matters, and
+    # 100,000 objects would take a third of the conversion's time.
+    changes = [Change(0, "I", relation)] * len(rows)
     images = inserted_images(rows.buf, rows.is_null, rows.starts, rows.lengths)
     try:
         segments = builder.build([Transaction(0, 0, 0, 0, changes, kind="snapshot")], InsertedRows(images))
@@ -118,7 +123,13 @@ class PgCopyReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
         copy = self.copy
         builder = ChangeRowBuilder(copy.type_cache())
-        for pages in partition.ranges:  # type: ignore[attr-defined]
+        ranges: list[CopyRange] = partition.ranges  # type: ignore[attr-defined]
+        # One line in the executor's log (its stderr): where each range of a copy was read.
+        pages_read = ", ".join(f"{r.namespace}.{r.name}:{r.first_page}..{'' if r.end_page is None else r.end_page}"
+                               for r in ranges)
+        print(f"cdc_apply copy task {partition.value} of {copy.table.qualified_name}: {len(ranges)} range(s), "
+              f"pages {pages_read}", file=sys.stderr, flush=True)
+        for pages in ranges:
             for rows in read_range(copy.conninfo, copy.snapshot, copy.table, pages, copy.chunk_rows):
                 yield chunk_batch(copy, rows, builder)
 
@@ -129,6 +140,33 @@ def copy_frame(spark: SparkSession, copy: TableCopy, ranges: Sequence[CopyRange]
     tasks = max(1, min(tasks, len(ranges)))
     spread = [list(ranges[i::tasks]) for i in range(tasks)]
     return (spark.read.format("pgcopy").option("copy", _pickled(copy)).option("ranges", _pickled(spread)).load())
+
+
+_PYTHON_ERROR = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*): (.*)$", re.MULTILINE)
+
+
+@contextmanager
+def task_errors(table: str) -> Iterator[None]:
+    """A Spark job over ``format("pgcopy")`` whose task raised: raised again on the driver as itself
+    (``CopyNeedsDriver``, ``SnapshotLost``) or as a ``CdcApplyError`` with the task's own message
+    (the last line of its Python traceback), never as Spark's wrapped traceback."""
+    from py4j.protocol import Py4JJavaError
+    from pyspark.errors import PySparkException
+
+    try:
+        yield
+    except (PySparkException, Py4JJavaError) as exc:
+        text = str(exc)
+        _, traceback, raised = text.rpartition("Traceback (most recent call last):")
+        found = _PYTHON_ERROR.search(raised) if traceback else None
+        if found is None:
+            raise
+        kind, message = found[1], found[2].strip()
+        if kind == "CopyNeedsDriver":
+            raise CopyNeedsDriver(message) from None
+        if kind == "SnapshotLost":
+            raise SnapshotLost(message) from None
+        raise CdcApplyError(f"the copy of {table} failed in a Spark task: {kind}: {message}") from None
 
 
 def register(spark: SparkSession) -> None:
@@ -143,4 +181,5 @@ def _unpickled(text: str):  # type: ignore[no-untyped-def]
     return pickle.loads(base64.b64decode(text))
 
 
-__all__ = ["NEEDS_DRIVER", "CopyNeedsDriver", "PgCopyDataSource", "TableCopy", "chunk_batch", "copy_frame"]
+__all__ = ["NEEDS_DRIVER", "CopyNeedsDriver", "PgCopyDataSource", "TableCopy", "chunk_batch", "copy_frame",
+           "task_errors"]
