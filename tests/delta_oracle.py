@@ -129,7 +129,9 @@ def delta_rows(spark: SparkSession, path: str, columns: list[str], types: dict[s
     rows = spark_rows(spark, path, columns, types, where)
     by_delta_rs = delta_rs_rows(path, columns, types, where)
     if by_delta_rs is not None:
-        assert by_delta_rs == rows, f"{path}: delta-rs reads other rows than Spark"
+        assert by_delta_rs == rows, (f"{path}: delta-rs reads other rows than Spark: only Spark "
+                                     f"{[r for r in rows if r not in by_delta_rs][:2]}, only delta-rs "
+                                     f"{[r for r in by_delta_rs if r not in rows][:2]}")
     return rows
 
 
