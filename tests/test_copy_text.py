@@ -1,5 +1,7 @@
-"""The snapshot's COPY text parse (``sources/copy_text.py``): PostgreSQL's own COPY output of hostile
-text, random rows in every escape form, and malformed data refused naming the row."""
+"""The snapshot's two COPY text parses, into spans (``sources/copy_text.py``, the driver's copy) and
+into Arrow columns (``sources/copy_arrow.py``, Spark's tasks): PostgreSQL's own COPY output of
+hostile text, random rows in every escape form, each giving the same values by both, and malformed
+data refused naming the row."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.sources.copy_arrow import copy_columns
 from cdc_apply.sources.copy_text import parse_copy_text
 
 HOSTILE = ["", "\\N", "\\", "a\tb", "line\nbreak\r\n", "back\\slash\\\\", "\\x41\\101", "ünï\u2028code 🐘",
@@ -16,9 +19,13 @@ HOSTILE = ["", "\\N", "\\", "a\tb", "line\nbreak\r\n", "back\\slash\\\\", "\\x41
 
 
 def _values(data: bytes, columns: int) -> list[list[bytes | None]]:
+    """The values by the span parse; the Arrow parse must give the same."""
     rows = parse_copy_text(data, columns, lambda row: f"row {row}")
-    return [[None if rows.is_null[r, c] else rows.buf[rows.starts[r, c]:rows.starts[r, c] + rows.lengths[r, c]].tobytes()
-             for c in range(columns)] for r in range(len(rows))]
+    values = [[None if rows.is_null[r, c] else rows.buf[rows.starts[r, c]:rows.starts[r, c] + rows.lengths[r, c]].tobytes()
+               for c in range(columns)] for r in range(len(rows))]
+    by_arrow = copy_columns(data, columns, lambda row: f"row {row}")
+    assert [list(row) for row in zip(*(column.to_pylist() for column in by_arrow))] == values
+    return values
 
 
 def test_postgres_copy_output_of_hostile_text_parses_to_the_stored_values(db18) -> None:  # type: ignore[no-untyped-def]
@@ -73,3 +80,14 @@ def test_every_escape_form_round_trips(shape: tuple[int, list[list[str | None]]]
 def test_malformed_copy_data_is_refused_naming_the_row(data: bytes, message: str) -> None:
     with pytest.raises(CdcApplyError, match=message):
         parse_copy_text(data, 2, lambda row: f"row {row}")
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (b"1\tx\n2\n", "rows of the chunk: the COPY rows do not have 2 columns each: .*Expected 2 columns, got 1"),
+    (b"1\tx\n2\ty\tz\n", "rows of the chunk: the COPY rows do not have 2 columns each: .*Expected 2 columns, got 3"),
+    (b"1\tx\n2\ty", "row 1: the COPY data ends inside a row"),
+    (b"1\tx\\\n", "row 0: a COPY value ends in a lone backslash"),
+])
+def test_malformed_copy_data_is_refused_by_the_arrow_parse_too(data: bytes, message: str) -> None:
+    with pytest.raises(CdcApplyError, match=message):
+        copy_columns(data, 2, lambda row: "rows of the chunk" if row is None else f"row {row}")

@@ -277,16 +277,26 @@ def _struct(children: list[pa.Array] | None, codec: RelationCodec, indexes: list
 def _column(buf: np.ndarray, kinds: np.ndarray, starts: np.ndarray, lengths: np.ndarray, column: ColumnCodec,
             where: Callable[[int], str]) -> pa.Array:
     raw = gather_values(buf, kinds, starts, lengths)
+    if not np.any(kinds == m.KIND_BINARY):
+        return text_column(raw, column, where)
     try:
-        if not np.any(kinds == m.KIND_BINARY):
-            values = convert_text(column.pg_type, raw.cast(pa.large_string()), column.arrow)
-        elif not np.any(kinds == m.KIND_TEXT):
-            values = convert_binary(column.pg_type, raw, column.arrow)
-        else:
+        if np.any(kinds == m.KIND_TEXT):
             raise VectorFallback("text and binary values mixed in one column")
+        values = convert_binary(column.pg_type, raw, column.arrow)
         return values if values.type == column.arrow else values.cast(column.arrow)
     except FALLBACK_ERRORS:
         return _scalar_column(raw, kinds, column, where)
+
+
+def text_column(raw: pa.Array, column: ColumnCodec, where: Callable[[int], str]) -> pa.Array:
+    """One column of text values (``large_binary``, UTF-8; null for NULL) converted: a column at a
+    time where its vector converter takes them, else value by value (the located errors)."""
+    try:
+        values = convert_text(column.pg_type, raw.cast(pa.large_string()), column.arrow)
+        return values if values.type == column.arrow else values.cast(column.arrow)
+    except FALLBACK_ERRORS:
+        kinds = np.where(np.asarray(raw.is_null().to_numpy(zero_copy_only=False), bool), m.KIND_NULL, m.KIND_TEXT)
+        return _scalar_column(raw, kinds.astype(np.uint8), column, where)
 
 
 def _scalar_column(raw: pa.Array, kinds: np.ndarray, column: ColumnCodec, where: Callable[[int], str]) -> pa.Array:

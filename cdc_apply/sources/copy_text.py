@@ -74,7 +74,7 @@ def parse_copy_text(data: bytes, columns: int, where: Callable[[int], str]) -> C
     flat_starts, flat_lengths = starts.reshape(-1), lengths.reshape(-1)
     for field in escaped.tolist():
         start = int(flat_starts[field])
-        value = _unescape(data[start:start + int(flat_lengths[field])], lambda: where(field // columns))
+        value = unescape(data[start:start + int(flat_lengths[field])], lambda: where(field // columns))
         flat_starts[field] = len(data) + len(extra)
         flat_lengths[field] = len(value)
         extra += value
@@ -89,7 +89,7 @@ def _fields_with_backslash(buf: np.ndarray, starts: np.ndarray, is_null: np.ndar
     return fields[~is_null.reshape(-1)[fields]]
 
 
-def _unescape(raw: bytes, where: Callable[[], str]) -> bytes:
+def unescape(raw: bytes, where: Callable[[], str]) -> bytes:
     if raw.endswith(b"\\") and (len(raw) - len(raw.rstrip(b"\\"))) % 2:
         raise CdcApplyError(f"{where()}: a COPY value ends in a lone backslash")
 

@@ -88,8 +88,10 @@ class ExportedSnapshot:
                     sql.SQL(", ").join(map(sql.Identifier, order_by)),
                     sql.SQL(", ").join(sql.SQL("CAST({} AS {})").format(sql.Literal(value), sql.SQL(kind))
                                        for value, kind in zip(after, kinds, strict=True))))
-            yield from _copy_chunks(conn, table, source, conditions, order_by, chunk_rows,
-                                    f"COPY of {table.qualified_name}")
+            width = len(relation.columns)
+            for chunk in _copy_chunks(conn, table, source, conditions, order_by, chunk_rows,
+                                      f"COPY of {table.qualified_name}"):
+                yield parse_copy_text(chunk.data, width, chunk.located)
 
     def copy_sources(self, table: PublishedTable) -> list[int]:
         """The OIDs of the relations that store the table's rows at the snapshot (``copy_sources``)."""
@@ -157,7 +159,7 @@ def copy_sources(conn: psycopg.Connection, table: PublishedTable) -> list[tuple[
 
 
 def read_range(conninfo: str, snapshot: str, table: PublishedTable, pages: CopyRange,
-               chunk_rows: int) -> Iterator[CopyRows]:
+               chunk_rows: int) -> Iterator[CopyData]:
     """One range of a table's rows at an exported snapshot, on a connection of its own (a Spark
     task's): ``COPY (SELECT ... WHERE ctid in the range AND <row filter>)``, which PostgreSQL 14+
     reads by a TID range scan, ``chunk_rows`` at a time."""
@@ -186,11 +188,26 @@ def snapshot_transaction(conninfo: str, snapshot: str, described: str, before: s
             conn.rollback()
 
 
+@dataclass(frozen=True)
+class CopyData:
+    """Whole rows of a text-format COPY, the ``first_row``-th (from 0) of the copy first."""
+
+    data: bytes
+    first_row: int
+    where: str  # the copy, for errors
+
+    def located(self, row: int | None) -> str:
+        """Names a row of the chunk (None: the chunk) in an error."""
+        if row is None:
+            return f"{self.where}, rows {self.first_row + 1}.."
+        return f"{self.where}, row {self.first_row + row + 1}"
+
+
 def _copy_chunks(conn: psycopg.Connection, table: PublishedTable, source: sql.Composable,
                  conditions: list[sql.Composable], order_by: Sequence[str], chunk_rows: int,
-                 where: str) -> Iterator[CopyRows]:
-    """``COPY (SELECT <published columns> FROM source WHERE conditions AND <row filter>)``, parsed
-    ``chunk_rows`` at a time; ``where`` names the copy in errors (with the row number)."""
+                 where: str) -> Iterator[CopyData]:
+    """``COPY (SELECT <published columns> FROM source WHERE conditions AND <row filter>)``,
+    ``chunk_rows`` rows at a time; ``where`` names the copy in errors."""
     relation = table.relation
     columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in relation.columns)
     query = sql.SQL("SELECT {} FROM {}").format(columns, source)
@@ -202,11 +219,6 @@ def _copy_chunks(conn: psycopg.Connection, table: PublishedTable, source: sql.Co
         query = sql.SQL("{} ORDER BY {}").format(query, sql.SQL(", ").join(map(sql.Identifier, order_by)))
     conn.execute("SET client_encoding TO 'UTF8'")  # the values go to the converters as UTF-8 bytes
     copied = 0
-    width = len(relation.columns)
-
-    def located(row: int) -> str:
-        return f"{where}, row {copied + row + 1}"
-
     with conn.cursor().copy(sql.SQL("COPY ({}) TO STDOUT").format(query)) as copy:
         chunk = bytearray()
         count = 0
@@ -214,11 +226,11 @@ def _copy_chunks(conn: psycopg.Connection, table: PublishedTable, source: sql.Co
             chunk += data
             count += 1
             if count >= chunk_rows:
-                yield parse_copy_text(bytes(chunk), width, located)
+                yield CopyData(bytes(chunk), copied, where)
                 copied += count
                 chunk, count = bytearray(), 0
         if count:
-            yield parse_copy_text(bytes(chunk), width, located)
+            yield CopyData(bytes(chunk), copied, where)
 
 
 _TABLES_QUERY = """

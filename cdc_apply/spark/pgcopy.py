@@ -1,11 +1,12 @@
 """``format("pgcopy")``: one table's rows at an exported snapshot, read by Spark's tasks in parallel.
 
-The initial copy's executor side (docs/live.md, "Initial copy"). The driver plans the table's
+The initial copy's executor side (docs/live.md, "Initial copy on Spark's executors"). The driver plans the table's
 page ranges (``ExportedSnapshot.page_ranges``) and hands them over with a ``TableCopy``; each
 task opens its own connection, joins the exported snapshot, reads its ranges with
-``COPY (SELECT ... WHERE ctid ...)`` and converts each chunk with the converters the stream uses
-(``changerows`` and ``apply/columnar.py``, as a snapshot chunk on the driver is converted), and
-yields it as one ``pyarrow.RecordBatch``: a task holds one chunk at a time, the driver none.
+``COPY (SELECT ... WHERE ctid ...)``, splits each chunk into columns with Arrow's CSV reader
+(``sources/copy_arrow.py``), converts them with the converters the stream's values take
+(``changerows.columns.text_column``), and yields the chunk as one ``pyarrow.RecordBatch`` of the
+target's columns: a task holds one chunk at a time, the driver none.
 
 A chunk the columnar conversion does not take (a value its target column cannot hold, a value
 Arrow cannot represent) fails the task with ``NEEDS_DRIVER`` in its message: the driver then
@@ -27,22 +28,20 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from cdc_apply.apply.columnar import collapsed_columns, segment_rows
-from cdc_apply.assemble import Change, Transaction
-from cdc_apply.changerows.codec import UnrepresentableColumnError
-from cdc_apply.changerows.columns import InsertedRows, inserted_images
-from cdc_apply.changerows.segments import ChangeRowBuilder
+from cdc_apply.changerows.codec import RelationCodec, UnrepresentableColumnError
+from cdc_apply.changerows.columns import NotArrowRepresentable, text_column
 from cdc_apply.errors import CdcApplyError
-from cdc_apply.pgtypes import TypeCache, ValueConversionError
+from cdc_apply.pgtypes import TypeCache
 from cdc_apply.pgtypes.sparktypes import arrow_type
-from cdc_apply.sources.copy_text import CopyRows
-from cdc_apply.sources.snapshot import CopyRange, PublishedTable, SnapshotLost, read_range
+from cdc_apply.sources.copy_arrow import copy_columns
+from cdc_apply.sources.snapshot import CopyData, CopyRange, PublishedTable, SnapshotLost, read_range
 from cdc_apply.spark.typed import quoted, spark_arrow
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 NEEDS_DRIVER = "cdc_apply: this copy needs the driver's conversion"
+_ARROW_FAILURES = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError)
 
 
 @dataclass(frozen=True)
@@ -70,25 +69,27 @@ class CopyNeedsDriver(CdcApplyError):
     """A chunk the columnar conversion does not take; the driver copies the table row by row."""
 
 
-def chunk_batch(copy: TableCopy, rows: CopyRows, builder: ChangeRowBuilder) -> pa.RecordBatch:
-    """One COPY chunk as the target's columns: converted as ``BatchApplier.write_snapshot_chunk``
-    converts a chunk on the driver (inserts of a snapshot, collapsed as columns without a key)."""
+def chunk_batch(copy: TableCopy, chunk: CopyData, codec: RelationCodec) -> pa.RecordBatch:
+    """One COPY chunk as the target's columns: each source column converted by the converter the
+    stream's values take (``changerows.columns.text_column``), then cast to its target column, as
+    the columnar collapse casts a snapshot chunk on the driver (``apply/columnar.py``)."""
     relation = copy.table.relation
-    # One change object for every row: a copy's rows are inserts in no order that matters, and
-    # 100,000 objects would take a third of the conversion's time.
-    changes = [Change(0, "I", relation)] * len(rows)
-    images = inserted_images(rows.buf, rows.is_null, rows.starts, rows.lengths)
+    if not relation.columns:
+        raise CopyNeedsDriver(f"{NEEDS_DRIVER}: {copy.table.qualified_name} has no published column")
     try:
-        segments = builder.build([Transaction(0, 0, 0, 0, changes, kind="snapshot")], InsertedRows(images))
-        table = segment_rows(segments[0])
-        collapsed = None if table is None else collapsed_columns(table, None, copy.column_map, (), copy.data_types)
-    except (UnrepresentableColumnError, ValueConversionError) as exc:
+        raw = copy_columns(chunk.data, len(relation.columns), chunk.located)
+        values = {column.name: text_column(column_values, column, chunk.located)
+                  for column, column_values in zip(codec.columns, raw, strict=True)}
+        rows = len(raw[0])
+        source_of = {target: source for source, target in copy.column_map.items() if target is not None}
+        arrays = []
+        for target, spark_type in copy.data_types.items():
+            kind = spark_arrow(arrow_type(spark_type))
+            source = source_of.get(target)
+            arrays.append(pa.nulls(rows, kind) if source is None else values[source].cast(kind))
+    except (UnrepresentableColumnError, NotArrowRepresentable, *_ARROW_FAILURES) as exc:
         raise CopyNeedsDriver(f"{NEEDS_DRIVER}: {exc}") from None
-    if collapsed is None:
-        raise CopyNeedsDriver(f"{NEEDS_DRIVER}: {copy.table.qualified_name} has values Arrow does not hold as they are")
-    names = list(copy.data_types)
-    return pa.RecordBatch.from_arrays(
-        [collapsed.columns[n].cast(spark_arrow(arrow_type(copy.data_types[n]))) for n in names], names=names)
+    return pa.RecordBatch.from_arrays(arrays, names=list(copy.data_types))
 
 
 class CopyPartition(InputPartition):
@@ -122,7 +123,7 @@ class PgCopyReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
         copy = self.copy
-        builder = ChangeRowBuilder(copy.type_cache())
+        codec = RelationCodec.build(copy.table.relation, copy.type_cache())
         ranges: list[CopyRange] = partition.ranges  # type: ignore[attr-defined]
         # One line in the executor's log (its stderr): where each range of a copy was read.
         pages_read = ", ".join(f"{r.namespace}.{r.name}:{r.first_page}..{'' if r.end_page is None else r.end_page}"
@@ -130,8 +131,8 @@ class PgCopyReader(DataSourceReader):
         print(f"cdc_apply copy task {partition.value} of {copy.table.qualified_name}: {len(ranges)} range(s), "
               f"pages {pages_read}", file=sys.stderr, flush=True)
         for pages in ranges:
-            for rows in read_range(copy.conninfo, copy.snapshot, copy.table, pages, copy.chunk_rows):
-                yield chunk_batch(copy, rows, builder)
+            for chunk in read_range(copy.conninfo, copy.snapshot, copy.table, pages, copy.chunk_rows):
+                yield chunk_batch(copy, chunk, codec)
 
 
 def copy_frame(spark: SparkSession, copy: TableCopy, ranges: Sequence[CopyRange], tasks: int) -> DataFrame:
