@@ -157,9 +157,9 @@ class Snapshotter:
         relation = table.relation
         target, existed = self.applier.ensure_target(relation, (snapshot.consistent_lsn - 1, 0))
         key = self._unique_key(table)
-        on_executors = self._on_executors(relation)
-        layout = {"method": "ranges", "sources": snapshot.copy_sources(table)} if on_executors \
-            else {"method": "key order"}
+        sources, pages = snapshot.storage(table)
+        on_executors = self._on_executors(relation, pages)
+        layout = {"method": "ranges", "sources": sources} if on_executors else {"method": "key order"}
         resumed = _copy_progress(target, key, relation, layout) if existed else None
         if resumed is not None and self._slot_confirmed() > parse_lsn(resumed["since_lsn"]):  # type: ignore[arg-type]
             resumed = None  # the slot no longer holds the changes since the first rows: copy again
@@ -198,11 +198,14 @@ class Snapshotter:
         log.info("snapshot of %s: %d rows in %.1f s", table.qualified_name, rows, seconds)
         return TableSnapshot(table.qualified_name, rows, snapshot.consistent_lsn, seconds)
 
-    def _on_executors(self, relation: m.Relation) -> bool:
-        """Spark's tasks copy the table unless the config says the driver does, or the target keeps
-        versions (SCD type 2), whose rows the history collapse writes."""
+    def _on_executors(self, relation: m.Relation, pages: int) -> bool:
+        """Spark's tasks copy the table unless the config says the driver does, the table is one
+        range (``snapshot.range_pages``) or less, which one task would read while the job's
+        planning costs more than the copy, or the target keeps versions (SCD type 2), whose rows
+        the history collapse writes."""
         options = self.applier.options.for_table(relation.namespace, relation.name)
-        return self.config.snapshot.method == "spark" and options.scd_type != 2
+        settings = self.config.snapshot
+        return settings.method == "spark" and pages > settings.range_pages and options.scd_type != 2
 
     def _emptied(self, target: Target, relation: m.Relation, version: int) -> Target:
         """The target without the rows of a copy that cannot be resumed: for a resync, replaced by

@@ -141,5 +141,6 @@ def spark_rows(spark: SparkSession, path: str, columns: list[str], types: dict[s
     if where:
         frame = frame.where(where)
     fields = {f.name: f.dataType for f in frame.schema.fields}
-    selected = frame.select([_carried(F.col(f"`{c}`"), fields[c]).alias(f"c{i}") for i, c in enumerate(columns)])
+    selected = frame.select([_carried(F.col("`" + c.replace("`", "``") + "`"), fields[c]).alias(f"c{i}")
+                             for i, c in enumerate(columns)])
     return _rendered([list(row) for row in selected.collect()], columns, types)

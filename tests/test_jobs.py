@@ -31,7 +31,8 @@ def _prepare(conninfo: str, tmp_path: Path, slot: str) -> Path:
         conn.execute(f"DROP PUBLICATION IF EXISTS {slot}; CREATE PUBLICATION {slot} FOR TABLE stock")
     config = tmp_path / f"{slot}.yaml"
     config.write_text(json.dumps({"pipeline": slot, "source": {"dsn": conninfo, "slot": slot, "publication": slot},
-                                  "target": {"warehouse": str(tmp_path / "wh")}}))
+                                  "target": {"warehouse": str(tmp_path / "wh")},
+                                  "snapshot": {"range_pages": 1}}))  # a page per range: copied by Spark's tasks
     return config
 
 
@@ -113,7 +114,7 @@ def test_spark_submit_job(where, db18, spark, tmp_path, request) -> None:  # typ
         worker_log = (tmp_path / "worker.log").read_text()
         assert "Asked to launch executor" in worker_log  # the work ran on the cluster's worker
         executor_logs = "".join(path.read_text() for path in (tmp_path / "work").glob("app-*/*/stderr"))
-        assert "cdc_apply copy task 0 of public.stock: 1 range(s), pages public.stock:0.." in executor_logs
+        assert "cdc_apply copy task 0 of public.stock: " in executor_logs and "pages public.stock:0..1" in executor_logs
 
 
 def test_airflow_dag_runs_a_batch_and_returns_its_summary(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -12,6 +12,7 @@ import time
 
 import psycopg
 
+from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import Target
 from cdc_apply.config import parse_config
 from cdc_apply.pipeline import drain
@@ -46,7 +47,9 @@ CREATE TABLE listed (id int PRIMARY KEY, a text, secret text, c int);
 INSERT INTO listed SELECT g, 'a' || g, 'hidden', g FROM generate_series(1, 3000) g;
 CREATE PUBLICATION via_root FOR TABLE typed, bag, root, filtered WHERE (id % 3 = 0)
     WITH (publish_via_partition_root = true);
-CREATE PUBLICATION via_leaves FOR TABLE leaf, listed (id, a, c);
+CREATE TABLE "odd/../na`me" ("k`ey, x" int PRIMARY KEY, "v.al ue:" text);
+INSERT INTO "odd/../na`me" SELECT g, 'v' || g FROM generate_series(1, 3000) g;
+CREATE PUBLICATION via_leaves FOR TABLE leaf, listed (id, a, c), "odd/../na`me";
 """
 
 # The typed table against PostgreSQL's text: the columns whose text the oracle renders alike. Every
@@ -60,6 +63,7 @@ COMPARED = {  # table -> (columns, publication, the rows the publication sends)
     "public.leaf_eu": (["id", "region", "v"], "via_leaves", None),
     "public.leaf_us": (["id", "region", "v"], "via_leaves", None),
     "public.listed": (["id", "a", "c"], "via_leaves", None),
+    "public.odd/../na`me": (["k`ey, x", "v.al ue:"], "via_leaves", None),  # hostile names
 }
 
 
@@ -89,6 +93,7 @@ def _writes(conninfo: str, stop: threading.Event) -> int:
             conn.execute("UPDATE filtered SET id = id + 100001 WHERE id = %s", (k + 7,))  # in or out of the filter
             conn.execute("UPDATE listed SET c = -c, secret = 'changed' WHERE id = %s", (k,))
             conn.execute("DELETE FROM listed WHERE id = %s", (k + 1,))
+            conn.execute('UPDATE "odd/../na`me" SET "v.al ue:" = %s WHERE "k`ey, x" = %s', (f"w{k}", k))
             done += 1
             time.sleep(0.01)
     return done
@@ -128,14 +133,16 @@ def test_a_parallel_copy_under_writes_equals_postgres(any_db, spark, tmp_path) -
         assert set(rows) == set(COMPARED) and rows["public.typed"] >= len(VARIANTS) * ROWS_PER_VARIANT
         for config in [*configs, by_driver]:
             drain(config, spark)
-        for table, (columns, _, where) in COMPARED.items():
+        locations = {config.source.publications[0]: apply_options(config) for config in configs}
+        for table, (columns, publication, where) in COMPARED.items():
             truth = [r for r in postgres_rows(conn, table, columns)]
             if where:
                 schema, _, name = table.partition(".")
                 select = ", ".join(f'"{c}"::text' for c in columns)
                 truth = sorted((tuple(r) for r in conn.execute(
                     f'SELECT {select} FROM "{schema}"."{name}" WHERE {where}').fetchall()), key=repr)
-            got = delta_rows(spark, f"{warehouse}/{table.replace('.', '/')}", columns, source_types(conn, table))
+            path, _ = locations[publication].default_target(*table.split(".", 1))
+            got = delta_rows(spark, path, columns, source_types(conn, table))
             assert got == truth, f"{table}: {len(got)} rows in Delta, {len(truth)} in PostgreSQL"
         _assert_same_rows(spark, f"{warehouse}/public/typed", f"{warehouse}_driver/public/typed")
         typed = Target(spark, f"{warehouse}/public/typed", False).delta().history().collect()

@@ -183,3 +183,52 @@ def test_a_column_added_while_the_export_waits_is_copied(any_db, spark, tmp_path
         columns = ["id", "v", "c", "c2"]
         assert delta_rows(spark, f"{warehouse}/public/t", columns, source_types(conn, "public.t")) == \
             postgres_rows(conn, "public.t", columns) == [("1", "a", "x", "y"), ("2", "b", "d", None)]
+
+
+def test_a_lost_exported_snapshot_fails_the_copy_clearly_and_the_rerun_resumes(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The connection holding the exported snapshot dies after Spark's copy committed two ranges: the
+    next range's task cannot join the snapshot, and the run stops naming it (``SnapshotLost``); the
+    rerun resumes from a new snapshot, after the ranges committed, and ends equal to PostgreSQL."""
+    import threading
+
+    import pytest
+
+    from cdc_apply.sources.snapshot import SnapshotLost
+
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    config = _config(conninfo, warehouse, range_pages=10, ranges_per_commit=1, parallelism=1)
+    log = tmp_path / "wh" / "public" / "accounts" / "_delta_log"
+    ended: list[int] = []
+
+    def end_the_export_after_two_ranges() -> None:
+        deadline = time.monotonic() + 120
+        with psycopg.connect(conninfo, autocommit=True) as admin:
+            while time.monotonic() < deadline and not ended:
+                # A range's commit: its userMetadata, escaped in the log's JSON, holds "method": "ranges".
+                if log.exists() and sum('ranges\\"' in p.read_text() for p in log.glob("*.json")) >= 2:
+                    ended.extend(pid for (pid,) in admin.execute(
+                        "SELECT pg_terminate_backend(active_pid)::int FROM pg_replication_slots "
+                        "WHERE slot_name LIKE 'cdc_apply_snapshot_%' AND active_pid IS NOT NULL").fetchall())
+                time.sleep(0.05)
+
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        create_schema(conn, "load")
+        conn.execute(PREFILL)
+        killer = threading.Thread(target=end_the_export_after_two_ranges)
+        killer.start()
+        try:
+            with pytest.raises(SnapshotLost, match=r"the exported snapshot .* is gone \(its connection ended\) before "
+                                                   r"COPY of public.accounts \(public.accounts pages \d+\.\."):
+                drain(config, spark)
+        finally:
+            killer.join()
+        assert ended
+        conn.execute("UPDATE accounts SET owner = 'after' WHERE id % 9 = 0")
+        resumed = drain(config, spark)
+        assert [s.table for s in resumed.snapshots][0] == "public.accounts"
+        drain(config, spark)
+        assert_delta_equals_postgres(spark, conn, warehouse)
+        history = Target(spark, f"{warehouse}/public/accounts", False).delta().history().collect()
+        assert not any(h.operation == "DELETE" for h in history) and any(h.operation == "MERGE" for h in history)

@@ -93,10 +93,14 @@ class ExportedSnapshot:
                                       f"COPY of {table.qualified_name}"):
                 yield parse_copy_text(chunk.data, width, chunk.located)
 
-    def copy_sources(self, table: PublishedTable) -> list[int]:
-        """The OIDs of the relations that store the table's rows at the snapshot (``copy_sources``)."""
+    def storage(self, table: PublishedTable) -> tuple[list[int], int]:
+        """The OIDs of the relations that store the table's rows at the snapshot (``copy_sources``),
+        and their heap pages in all."""
         with self._inside(f"{table.qualified_name} was planned") as conn:
-            return [oid for oid, _, _ in copy_sources(conn, table)]
+            oids = [oid for oid, _, _ in copy_sources(conn, table)]
+            pages = conn.execute("SELECT coalesce(sum(pg_relation_size(oid)), 0)::bigint / "
+                                 "current_setting('block_size')::int FROM unnest(%s::oid[]) oid", (oids,)).fetchone()[0]
+            return oids, int(pages)
 
     def page_ranges(self, table: PublishedTable, range_pages: int,
                     after: tuple[int, int | None] | None = None) -> tuple[list[int], list[CopyRange]]:
