@@ -68,6 +68,7 @@ class TableSnapshot:
     rows: int
     consistent_lsn: int
     seconds: float
+    method: str = "key order"  # "ranges": Spark's tasks copied it; "key order": the driver did
 
 
 class ResyncMarks:
@@ -195,8 +196,10 @@ class Snapshotter:
             {"cdc_apply": "snapshot complete", "rows": rows, "consistent_lsn": format_lsn(since)}))
         self.resyncs.remove(relation.oid)
         seconds = time.perf_counter() - started
-        log.info("snapshot of %s: %d rows in %.1f s", table.qualified_name, rows, seconds)
-        return TableSnapshot(table.qualified_name, rows, snapshot.consistent_lsn, seconds)
+        method = str(copy.progress["method"])
+        log.info("snapshot of %s: %d rows in %.1f s (%s)", table.qualified_name, rows, seconds,
+                 "Spark's tasks, page ranges" if method == "ranges" else "the driver, key order")
+        return TableSnapshot(table.qualified_name, rows, snapshot.consistent_lsn, seconds, method)
 
     def _on_executors(self, relation: m.Relation, pages: int) -> bool:
         """Spark's tasks copy the table unless the config says the driver does, the table is one

@@ -75,8 +75,9 @@ def test_bench_stream_compares_the_streaming_query_with_follow() -> None:
 @pytest.mark.spark
 def test_bench_snapshot_times_three_copies_of_the_same_rows(spark, capsys) -> None:  # type: ignore[no-untyped-def]
     """In-process, on the shared session: each copy must hold every row (the bench checks the counts)."""
-    result = bench_snapshot(rows=3000, spark=spark)
+    result = bench_snapshot(rows=3000, spark=spark, snapshot={"range_pages": 16})  # 3000 rows: 4 ranges
     report = capsys.readouterr().out
+    assert "cdc_apply's copy" in report and "(Spark's tasks, page ranges; Python driver RSS" in report, report
     for line in ("raw COPY read", "hand-written Spark copy", "cdc_apply's copy", "cdc_apply ÷ raw COPY read",
                  "cdc_apply ÷ hand-written Spark copy"):
         assert line in report, report
