@@ -165,3 +165,31 @@ def _assert_same_rows(spark, path: str, other: str) -> None:  # type: ignore[no-
     rows = [sorted(zip(*(_arrow_carried(t.column(c).combine_chunks()).to_pylist() for c in readable)), key=repr)
             for t in tables]
     assert repr(rows[0]) == repr(rows[1])
+
+
+def test_a_value_spark_tasks_cannot_convert_is_copied_by_the_driver(db18, spark, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A two-dimensional array in an int[] column: its Arrow type holds depth one only, so Spark's task
+    stops with the driver marker, and the driver copies the table again from the start, where
+    ``schema_policy: evolve`` switches the column to PostgreSQL's text."""
+    import logging
+
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    config = parse_config({"pipeline": "arrays", "source": {"dsn": conninfo, "slot": "arrays", "publication": "arrays"},
+                           "target": {"warehouse": warehouse}, "defaults": {"schema_policy": "evolve"},
+                           "snapshot": {"range_pages": 2}})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("CREATE TABLE grid (id int PRIMARY KEY, a int4[]);"
+                     "INSERT INTO grid SELECT g, ARRAY[g, -g] FROM generate_series(1, 3000) g;"
+                     "UPDATE grid SET a = '{{1,2},{3,4}}' WHERE id = 2999;"
+                     "CREATE PUBLICATION arrays FOR TABLE grid")
+        with caplog.at_level(logging.WARNING, logger="cdc_apply.snapshot"):
+            copied = drain(config, spark).snapshots
+        assert [(s.table, s.rows, s.method) for s in copied] == [("public.grid", 3000, "key order")]
+        assert "public.grid: copied by the driver instead of Spark's tasks (cdc_apply: this copy needs the driver's " \
+               "conversion" in caplog.text
+        frame = spark.read.format("delta").load(f"{warehouse}/public/grid")
+        assert frame.schema["a"].dataType.simpleString() == "string"
+        truth = dict(conn.execute("SELECT id, a::text FROM grid").fetchall())
+        assert {row.id: row.a for row in frame.collect()} == truth
