@@ -71,6 +71,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from cdc_apply.config import Config, load_config
     from cdc_apply.replay import print_summary, replay
 
+    if bool(args.captures) == args.changelog:
+        raise ConfigError("replay: give capture files, or --changelog (with --config), not both")
+    if args.changelog and not args.config:
+        raise ConfigError("replay --changelog: --config names the pipeline and its change log")
+    if not args.changelog and (args.table or args.until_lsn):
+        raise ConfigError("replay: --table and --until-lsn go with --changelog")
     config = load_config(args.config) if args.config else Config()
     options = apply_options(config)
     if args.warehouse:
@@ -78,8 +84,20 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
         options = replace(options, warehouse=args.warehouse)
     spark = build_spark_session(config.spark)
-    results = replay(spark, args.captures, options, max_changes=args.max_changes or config.batching.max_changes,
-                     spill_bytes=config.batching.spill_bytes)
+    max_changes = args.max_changes or config.batching.max_changes
+    if args.changelog:
+        from cdc_apply.lsn import parse_lsn
+        from cdc_apply.replay import replay_changelog
+
+        try:
+            until_lsn = parse_lsn(args.until_lsn) if args.until_lsn else None
+        except ValueError as exc:
+            raise ConfigError(f"replay --until-lsn: {exc}") from None
+        results = replay_changelog(spark, config, options, table=args.table, max_changes=max_changes,
+                                   until_lsn=until_lsn)
+    else:
+        results = replay(spark, args.captures, options, max_changes=max_changes,
+                         spill_bytes=config.batching.spill_bytes)
     print_summary(results, sys.stdout)
     return EXIT_OK
 
@@ -199,8 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("captures", nargs="+", help="capture files (.jsonl or .parquet)")
     decode.add_argument("--changes", action="store_true", help="print change rows instead of messages")
 
-    replay = verb("replay", _cmd_replay, "apply capture files to Delta tables (idempotent)")
-    replay.add_argument("captures", nargs="+", help="capture files (.jsonl or .parquet), in stream order")
+    replay = verb("replay", _cmd_replay, "apply capture files, or the change log, to Delta tables (idempotent)")
+    replay.add_argument("captures", nargs="*", help="capture files (.jsonl or .parquet), in stream order")
+    replay.add_argument("--changelog", action="store_true",
+                        help="replay the pipeline's change log (changelog.enabled) instead of capture files")
+    replay.add_argument("--table", help="with --changelog: only this table (schema.table)")
+    replay.add_argument("--until-lsn", help="with --changelog: only transactions committed up to this LSN (X/Y)")
     replay.add_argument("--warehouse", help="Delta warehouse directory (overrides target.warehouse)")
     replay.add_argument("--config", help="YAML config (tables, batching, spark)")
     replay.add_argument("--max-changes", type=int, default=None,

@@ -233,6 +233,20 @@ class SnapshotConfig(_Strict):
     ranges_per_commit: int = Field(64, ge=1, le=1_000_000)  # ranges per Delta commit: what a resumed copy keeps
 
 
+class ChangelogConfig(_Strict):
+    """The change log: every batch's change rows in one Delta table (docs/changelog.md)."""
+
+    enabled: bool = False
+    path: str | None = None  # None: <target.warehouse>/_cdc_apply/changelog
+    name: str | None = None  # a catalog table (schema.table) instead of a path
+
+    @model_validator(mode="after")
+    def _one_place(self) -> ChangelogConfig:
+        if self.path is not None and self.name is not None:
+            raise ValueError("give changelog.path or changelog.name, not both")
+        return self
+
+
 class StreamConfig(_Strict):
     """``cdc-apply stream`` / jobs/stream_changes.py: Structured Streaming over format("pgoutput")."""
 
@@ -257,6 +271,7 @@ class Config(_Strict):
     tables: dict[str, TableConfig] = {}
     batching: BatchingConfig = BatchingConfig()
     snapshot: SnapshotConfig = SnapshotConfig()
+    changelog: ChangelogConfig = ChangelogConfig()
     stream: StreamConfig = StreamConfig()
     metrics: MetricsConfig = MetricsConfig()
     spark: dict[str, str] = {}

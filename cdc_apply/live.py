@@ -30,6 +30,7 @@ import psycopg
 
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
+from cdc_apply.changelog import enabled_changelog
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
@@ -69,7 +70,7 @@ class LiveReplicator:
         self.metrics_server: MetricsServer | None = None
         self.health = HealthMonitor(config.source, self.metrics)
         self.summary = RunSummary(metrics=self.metrics)
-        self.sink = DeltaSink(self.applier, self.summary, self.snapshotter)
+        self.sink = DeltaSink(self.applier, self.summary, self.snapshotter, enabled_changelog(spark, config))
         self.confirmed = 0
         self.previous_reader: tuple[str, int, int] | None = None  # host, port, backend PID of the last stream
 

@@ -21,6 +21,7 @@ from cdc_apply.apply.delta_log import writer_versions
 from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import TargetRegistry
 from cdc_apply.assemble import Transaction
+from cdc_apply.changelog import enabled_changelog
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
@@ -104,7 +105,7 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
         applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(source.conninfo()).missing_value)
         snapshotter = Snapshotter(config, applier)
         summary.snapshots += snapshotter.sync()
-        sink = DeltaSink(applier, summary, snapshotter)
+        sink = DeltaSink(applier, summary, snapshotter, enabled_changelog(spark, config))
         advance = _slot_advancer(conn, config, summary)
         log.info("reading slot %s of %s up to %s", source.slot, source.describe(), format_lsn(upto))
         limit = config.batching.max_changes

@@ -1,7 +1,13 @@
-"""`cdc-apply replay`: capture files -> committed transactions -> batches -> Delta targets.
+"""`cdc-apply replay`: capture files, or the change log, -> committed transactions -> Delta targets.
 
-The replication core (``cdc_apply.replication``) over files, with nothing to confirm: decode,
-assemble, cut batches at transaction boundaries, apply each batch. Replaying a capture twice changes nothing (exactly-once versions).
+From capture files: the replication core (``cdc_apply.replication``) over files, with nothing to
+confirm: decode, assemble, cut batches at transaction boundaries, apply each batch.
+
+From the change log (``replay_changelog``, ``--changelog``): its rows, in windows of whole
+transactions, turned back into transactions as ``foreach_batch`` turns a micro-batch
+(``spark.foreach.micro_batch_changes``: the Relation in force and the message bytes each row
+holds), and applied by the same ``BatchApplier`` with the same per-table versions as the run that
+wrote them. Either way, replaying twice changes nothing (exactly-once versions).
 """
 
 from __future__ import annotations
@@ -11,11 +17,15 @@ from typing import TYPE_CHECKING, TextIO
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.apply.options import ApplyOptions
+from cdc_apply.apply.targets import Target, TargetRegistry
+from cdc_apply.changelog import ChangeLog, ChangeLogError
+from cdc_apply.config import Config
 from cdc_apply.lsn import format_lsn
 from cdc_apply.progress import progress
 from cdc_apply.replication import BatchCut, ReplicationCore
 from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.sources.capture import read_captures
+from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, micro_batch_changes
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -30,6 +40,54 @@ def replay(spark: SparkSession, paths: Sequence[str], options: ApplyOptions, *, 
         for changes in core.write_all(read_captures(paths), "the capture"):
             advance(changes)
     return summary.batches
+
+
+def replay_changelog(spark: SparkSession, config: Config, options: ApplyOptions, *, table: str | None = None,
+                     until_lsn: int | None = None, max_changes: int = 1_000_000) -> list[BatchResult]:
+    """The change log's transactions (of one table, ``schema.table``; up to a commit LSN) applied to
+    the targets of ``options.warehouse``, in windows of whole transactions of about ``max_changes``
+    rows (a larger transaction is a window of its own). A target whose version is past what the log
+    holds is refused: the log lacks changes it has."""
+    changelog = ChangeLog(spark, config)
+    held = changelog.version
+    _refuse_targets_ahead(spark, options, changelog, held)
+    frame = changelog.read(table, until_lsn)
+    per_transaction = frame.groupBy("commit_lsn").count().orderBy("commit_lsn").collect()
+    applier = BatchApplier(spark, options)  # no live source: the ADD COLUMN DEFAULT backfill is skipped
+    results = []
+    with progress("replay of the change log", sum(r["count"] for r in per_transaction), unit="changes") as advance:
+        for first, last, rows in _windows([(r["commit_lsn"], r["count"]) for r in per_transaction], max_changes):
+            window = frame.where((frame["commit_lsn"] >= first) & (frame["commit_lsn"] <= last))
+            transactions, parsed = micro_batch_changes(window.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
+            results.append(applier.apply(transactions, parsed=parsed))
+            advance(rows)
+    return results
+
+
+def _windows(per_transaction: list[tuple[int, int]], max_changes: int) -> list[tuple[int, int, int]]:
+    """(first commit LSN, last commit LSN, rows) of consecutive transactions, about ``max_changes`` rows each."""
+    windows: list[tuple[int, int, int]] = []
+    start, rows = None, 0
+    for index, (lsn, count) in enumerate(per_transaction):
+        if start is None:
+            start = lsn
+        rows += count
+        if rows >= max_changes or index == len(per_transaction) - 1:
+            windows.append((start, lsn, rows))
+            start, rows = None, 0
+    return windows
+
+
+def _refuse_targets_ahead(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog, held: int | None) -> None:
+    for oid, entry in TargetRegistry(options.warehouse).entries().items():
+        target = Target(spark, entry["location"], entry["by_name"])
+        version = target.committed_version(f"{options.pipeline}/{oid}") if target.exists() else None
+        if version is not None and (held is None or version > held):
+            raise ChangeLogError(
+                f"{entry['schema']}.{entry['table']}: its target holds changes up to LSN {format_lsn(version)}, "
+                f"past the change log {changelog.target.location} (up to "
+                f"{'nothing' if held is None else format_lsn(held)}): the log was enabled after them, so a replay "
+                "would miss them; replay into another warehouse (--warehouse) after a resync, or start the log first")
 
 
 def table_totals(results: Sequence[BatchResult]) -> tuple[dict[str, dict[str, int]], dict[str, int]]:

@@ -4,7 +4,8 @@
 only when every target's Delta commit of the batch is durable, and a batch written again is
 skipped by the targets' exactly-once versions (docs/architecture.md, invariant 6). Before the
 batch, a table the pipeline has not copied yet (added to the publication later) gets its
-initial snapshot.
+initial snapshot, and with ``changelog.enabled`` the batch's change rows are appended to the change
+log (``changelog.py``), exactly once, before any target commit.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.assemble import Transaction
+from cdc_apply.changelog import ChangeLog
 from cdc_apply.lsn import pg_us_to_unix_us
 from cdc_apply.metrics import PipelineMetrics
 from cdc_apply.snapshot import Snapshotter, TableSnapshot
@@ -31,6 +33,7 @@ class RunSummary:
     visible_at: list[float] = field(default_factory=list)  # when each batch became visible (Unix time)
     lag_timeline: list[tuple[float, float]] = field(default_factory=list)  # (visible at, lag) per transaction
     reconnects: int = 0
+    changelog_rows: int = 0  # change rows appended to the change log
     metrics: PipelineMetrics | None = None  # told every batch, when the run exports metrics
 
     def record(self, result: BatchResult, transactions: list[Transaction]) -> None:
@@ -51,13 +54,18 @@ class RunSummary:
 
 
 class DeltaSink:
-    def __init__(self, applier: BatchApplier, summary: RunSummary, snapshotter: Snapshotter | None = None) -> None:
-        """``snapshotter=None``: no source to copy from (replay)."""
+    def __init__(self, applier: BatchApplier, summary: RunSummary, snapshotter: Snapshotter | None = None,
+                 changelog: ChangeLog | None = None) -> None:
+        """``snapshotter=None``: no source to copy from (replay). ``changelog``: the change log the
+        batches go to first (``changelog.enabled``)."""
         self.applier = applier
         self.summary = summary
         self.snapshotter = snapshotter
+        self.changelog = changelog
 
     def write_batch(self, batch: list[Transaction]) -> None:
         if self.snapshotter is not None:
             self.summary.snapshots += self.snapshotter.sync_new(batch)
+        if self.changelog is not None:
+            self.summary.changelog_rows += self.changelog.append(batch)
         self.summary.record(self.applier.apply(batch), batch)

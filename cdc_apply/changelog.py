@@ -1,0 +1,143 @@
+"""The change log: every batch's change rows in one Delta table, beside the targets (docs/changelog.md).
+
+The rows are the ``pgoutput`` data source's (``spark/rows.py``): the change-row columns, the
+``key``/``old``/``new`` images as maps of PostgreSQL's text, ``_cdc_change`` (the change's message
+bytes) and ``_cdc_relation`` (the Relation message in force), so that a replay
+(``replay.replay_changelog``) decodes what the first apply decoded, and converts with whatever
+type overrides it has then. The table is partitioned by ``relation_oid``: one table's changes
+are read from its own files, and an LSN range is skipped over by the files' ``commit_lsn``
+statistics.
+
+Invariants:
+- Exactly once: each batch is one commit with ``txnAppId = <pipeline>/changelog`` and
+  ``txnVersion = the batch's last commit LSN``; a batch at or below the version the table holds is
+  not appended again (a replayed batch after a crash), so the log never holds a transaction twice.
+- The log is written before the targets (``sink.DeltaSink``): whatever a target holds, the log
+  holds too, and the slot is confirmed only after both.
+- The table names the pipeline that writes it and its layout (``cdc_apply.changelog`` property);
+  another pipeline's log, or another layout, is refused, never appended to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from cdc_apply.apply.sessionconf import delta_commit_conf
+from cdc_apply.apply.targets import Target, sql_string
+from cdc_apply.assemble import Transaction
+from cdc_apply.config import Config
+from cdc_apply.errors import CdcApplyError
+from cdc_apply.lsn import format_lsn
+from cdc_apply.spark.rows import SOURCE_SCHEMA, SPARK_DDL, record_batches
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
+
+LAYOUT = 1  # the columns of spark/rows.py's untyped rows, partitioned by relation_oid
+PROPERTY = "cdc_apply.changelog"
+
+
+class ChangeLogError(CdcApplyError):
+    """A change log this pipeline must not write or read as its own."""
+
+
+def changelog_target(spark: SparkSession, config: Config, warehouse: str | None = None) -> Target:
+    """Where the pipeline's change log is: ``changelog.name``, ``changelog.path``, or
+    ``<warehouse>/_cdc_apply/changelog``."""
+    settings = config.changelog
+    if settings.name is not None:
+        return Target(spark, settings.name, True)
+    return Target(spark, settings.path or f"{warehouse or config.target.warehouse}/_cdc_apply/changelog", False)
+
+
+def enabled_changelog(spark: SparkSession, config: Config) -> ChangeLog | None:
+    """The pipeline's change log when ``changelog.enabled``, else None."""
+    return ChangeLog(spark, config) if config.changelog.enabled else None
+
+
+class ChangeLog:
+    def __init__(self, spark: SparkSession, config: Config, warehouse: str | None = None) -> None:
+        self.spark = spark
+        self.pipeline = config.pipeline
+        self.app_id = f"{config.pipeline}/changelog"
+        self.target = changelog_target(spark, config, warehouse)
+        self._version: int | None = None
+        self._ready = False
+
+    def _identity(self) -> str:
+        return json.dumps({"pipeline": self.pipeline, "layout": LAYOUT}, sort_keys=True)
+
+    def ensure(self) -> None:
+        """The table created (empty) when missing, else checked to be this pipeline's, in this layout."""
+        if self._ready:
+            return
+        if not self.target.exists():
+            self.spark.sql(f"CREATE TABLE IF NOT EXISTS {self.target.sql} ({SPARK_DDL}) USING delta "
+                           f"PARTITIONED BY (relation_oid) TBLPROPERTIES ({sql_string(PROPERTY)} = "
+                           f"{sql_string(self._identity())})")
+            log.info("created the change log %s", self.target.location)
+        self.check()
+        self._version = self.target.committed_version(self.app_id)
+        self._ready = True
+
+    def check(self) -> None:
+        """Refuses a table that is not this pipeline's change log in this layout."""
+        text = self.target.properties().get(PROPERTY)
+        try:
+            identity = json.loads(text) if text else None
+        except ValueError:
+            identity = None
+        if not isinstance(identity, dict):
+            raise ChangeLogError(f"{self.target.location} is not a cdc_apply change log (no {PROPERTY} property); "
+                                 "set changelog.path or changelog.name to another table")
+        if identity.get("pipeline") != self.pipeline:
+            raise ChangeLogError(f"{self.target.location} is the change log of pipeline {identity.get('pipeline')!r}, "
+                                 f"not {self.pipeline!r}: each pipeline writes its own (changelog.path or .name)")
+        if identity.get("layout") != LAYOUT:
+            raise ChangeLogError(f"{self.target.location} has change log layout {identity.get('layout')!r}; this "
+                                 f"cdc_apply writes and reads layout {LAYOUT}: use the cdc_apply that wrote it, or "
+                                 "start a new change log")
+
+    @property
+    def version(self) -> int | None:
+        """The last commit LSN the log holds (None: nothing yet)."""
+        self.ensure()
+        return self._version
+
+    def append(self, transactions: Sequence[Transaction]) -> int:
+        """The batch's change rows in one commit; nothing when the log holds the batch already.
+        Returns the rows appended."""
+        if not transactions:
+            return 0
+        self.ensure()
+        version = transactions[-1].commit_lsn
+        if self._version is not None and version <= self._version:
+            return 0  # a batch written again after a crash: the log holds it
+        batches = list(record_batches(transactions))
+        table = pa.Table.from_batches(batches, SOURCE_SCHEMA) if batches else SOURCE_SCHEMA.empty_table()
+        metadata = json.dumps({"cdc_apply": "changelog", "pipeline": self.pipeline, "rows": table.num_rows,
+                               "first_lsn": format_lsn(transactions[0].commit_lsn), "last_lsn": format_lsn(version)},
+                              sort_keys=True)
+        frame = self.spark.createDataFrame(table, SPARK_DDL)
+        with delta_commit_conf(self.spark, self.app_id, version, metadata):
+            self.target.write(frame, "append")
+        self._version = version
+        return table.num_rows
+
+    def read(self, table: str | None = None, until_lsn: int | None = None) -> DataFrame:
+        """The log's rows (of one table, ``schema.table``; up to a commit LSN), in no order."""
+        self.ensure()
+        frame = self.target.read()
+        if table is not None:
+            schema, _, name = table.partition(".")
+            frame = frame.where((frame["schema"] == schema) & (frame["table"] == name))
+        if until_lsn is not None:
+            frame = frame.where(frame["commit_lsn"] <= until_lsn)
+        return frame

@@ -1,0 +1,91 @@
+"""The change log (``changelog.enabled``, ``cdc_apply/changelog.py``) against a real server: every
+batch's change rows appended once, beside the targets; targets rebuilt from it alone in another
+warehouse equal PostgreSQL and the live targets; a replay is idempotent; another pipeline's log,
+and targets ahead of the log, are refused with the place named."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import psycopg
+import pytest
+
+from cdc_apply.apply.options import apply_options
+from cdc_apply.apply.targets import Target
+from cdc_apply.bench.load import Load, create_schema
+from cdc_apply.changelog import ChangeLog, ChangeLogError
+from cdc_apply.config import parse_config
+from cdc_apply.pipeline import drain
+from cdc_apply.replay import replay_changelog
+from tests.test_decode_cli import _cli
+from tests.test_live import assert_delta_equals_postgres
+
+
+def _config(conninfo: str, warehouse: str, pipeline: str = "logged", **changelog: object):  # type: ignore[no-untyped-def]
+    return parse_config({"pipeline": pipeline, "source": {"dsn": conninfo, "slot": pipeline, "publication": "load"},
+                         "target": {"warehouse": warehouse}, "batching": {"max_changes": 300},
+                         "changelog": {"enabled": True, **changelog}})
+
+
+def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    config = _config(conninfo, warehouse)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        create_schema(conn, "load")  # empty tables: every row arrives as a change, so the log holds them all
+        drain(config, spark)  # the slot, the (empty) copies, the log
+        load = Load(conninfo, sessions=2, rate_per_session=20, big_every=40).start()
+        try:
+            time.sleep(3)
+            first = drain(config, spark)  # several batches of at most 300 changes, under the load
+            time.sleep(2)
+        finally:
+            load.finish()
+        second = drain(config, spark)
+        assert first.changelog_rows > 0 and second.changelog_rows > 0
+        assert_delta_equals_postgres(spark, conn, warehouse)
+
+        changelog = ChangeLog(spark, config)
+        rows = changelog.read()
+        # Each change once: no transaction appended twice, though the drains re-read the slot's last window.
+        assert rows.groupBy("commit_lsn", "xid", "seq", "relation_oid").count().where("count > 1").count() == 0
+        assert rows.count() == first.changelog_rows + second.changelog_rows
+        assert changelog.version == rows.agg({"commit_lsn": "max"}).collect()[0][0]
+
+        rebuilt = str(tmp_path / "rebuilt")
+        options = replace(apply_options(config), warehouse=rebuilt)
+        results = replay_changelog(spark, config, options, max_changes=500)
+        assert len(results) > 1  # windows of whole transactions
+        assert_delta_equals_postgres(spark, conn, rebuilt)
+        for name in ("accounts", "ledger"):  # the same rows as the live targets, metadata columns too
+            live, again = (Target(spark, f"{w}/public/{name}", False).read() for w in (warehouse, rebuilt))
+            assert live.exceptAll(again).count() == 0 and again.exceptAll(live).count() == 0
+        again = replay_changelog(spark, config, options)
+        assert all(t.skipped for batch in again for t in batch.tables)  # idempotent
+
+        # One table as of an LSN: only its changes up to there.
+        middle = sorted(r.commit_lsn for r in rows.select("commit_lsn").distinct().collect())[10]
+        partial = replace(apply_options(config), warehouse=str(tmp_path / "partial"))
+        applied = {t.table for batch in replay_changelog(spark, config, partial, table="public.accounts",
+                                                         until_lsn=middle) for t in batch.tables}
+        assert applied == {"public.accounts"}
+        accounts = Target(spark, str(tmp_path / "partial" / "public" / "accounts"), False)
+        oid = conn.execute("SELECT 'accounts'::regclass::oid").fetchone()[0]
+        assert accounts.committed_version(f"logged/{oid}") <= middle
+        assert not (tmp_path / "partial" / "public" / "ledger").exists()
+
+        # Another pipeline's log, and targets ahead of the log, are refused.
+        other = _config(conninfo, warehouse, pipeline="other", path=changelog.target.location)
+        with pytest.raises(ChangeLogError, match="is the change log of pipeline 'logged', not 'other'"):
+            ChangeLog(spark, other).ensure()
+        fresh_log = _config(conninfo, warehouse, path=str(tmp_path / "fresh_log"))
+        with pytest.raises(ChangeLogError, match=r"public\.\w+: its target holds changes up to LSN .* past the change "
+                                                 r"log .* \(up to nothing\)"):
+            replay_changelog(spark, fresh_log, apply_options(fresh_log))
+
+
+def test_replay_refuses_a_mix_of_captures_and_the_change_log() -> None:
+    both = _cli("replay", "some.jsonl", "--changelog", "--config", "x.yaml")
+    assert both.returncode == 2 and "not both" in both.stderr and "Traceback" not in both.stderr
