@@ -131,13 +131,15 @@ class ChangeLog:
         self._version = version
         return table.num_rows
 
-    def read(self, table: str | None = None, until_lsn: int | None = None) -> DataFrame:
-        """The log's rows (of one table, ``schema.table``; up to a commit LSN), in no order."""
+    def read(self, table: str | None = None, until_lsn: int | None = None, after: int | None = None) -> DataFrame:
+        """The log's rows (of one table, ``schema.table``; after and up to a commit LSN), in no order."""
         self.ensure()
         frame = self.target.read()
         if table is not None:
             schema, _, name = table.partition(".")
             frame = frame.where((frame["schema"] == schema) & (frame["table"] == name))
+        if after is not None:
+            frame = frame.where(frame["commit_lsn"] > after)
         if until_lsn is not None:
             frame = frame.where(frame["commit_lsn"] <= until_lsn)
         return frame

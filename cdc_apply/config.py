@@ -239,11 +239,17 @@ class ChangelogConfig(_Strict):
     enabled: bool = False
     path: str | None = None  # None: <target.warehouse>/_cdc_apply/changelog
     name: str | None = None  # a catalog table (schema.table) instead of a path
+    # targets: the slot is confirmed once the targets hold a batch (the log is written first).
+    # changelog: once the log's commit is durable; the targets follow from the log in the same
+    # process (docs/changelog.md, "Choosing confirm_after").
+    confirm_after: Literal["targets", "changelog"] = "targets"
 
     @model_validator(mode="after")
     def _one_place(self) -> ChangelogConfig:
         if self.path is not None and self.name is not None:
             raise ValueError("give changelog.path or changelog.name, not both")
+        if self.confirm_after == "changelog" and not self.enabled:
+            raise ValueError("changelog.confirm_after: changelog needs changelog.enabled: true")
         return self
 
 

@@ -31,6 +31,7 @@ import psycopg
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
 from cdc_apply.changelog import enabled_changelog
+from cdc_apply.changelog_apply import TargetFollower, targets_from_changelog
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
@@ -70,7 +71,13 @@ class LiveReplicator:
         self.metrics_server: MetricsServer | None = None
         self.health = HealthMonitor(config.source, self.metrics)
         self.summary = RunSummary(metrics=self.metrics)
-        self.sink = DeltaSink(self.applier, self.summary, self.snapshotter, enabled_changelog(spark, config))
+        self.changelog = enabled_changelog(spark, config)
+        self.follower: TargetFollower | None = None
+        if self.changelog is not None and config.changelog.confirm_after == "changelog":
+            self.follower = TargetFollower(targets_from_changelog(self.changelog, self.applier, self.summary,
+                                                                  config.batching.max_changes))
+        self.sink = DeltaSink(self.applier, self.summary, self.snapshotter, self.changelog,
+                              self.follower.wake if self.follower is not None else None)
         self.confirmed = 0
         self.previous_reader: tuple[str, int, int] | None = None  # host, port, backend PID of the last stream
 
@@ -83,6 +90,8 @@ class LiveReplicator:
             self.metrics.error(exc)
             raise
         finally:
+            if self.follower is not None:
+                self.follower.stop()
             if self.metrics_server is not None:
                 self.metrics_server.close()
 
@@ -96,6 +105,7 @@ class LiveReplicator:
                 if not copied:  # a copy cut short is cleared and done again on the next try
                     self.summary.snapshots += self.snapshotter.sync()
                     copied = True
+                    self._start_follower()
                 if self._session(options, check_health=not checked):
                     backoff = BACKOFF_START_S
             except (StreamLost, SnapshotLost, psycopg.OperationalError) as exc:  # the server went away: retry
@@ -106,6 +116,13 @@ class LiveReplicator:
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
             checked = False
         return self.summary
+
+    def _start_follower(self) -> None:
+        """After the initial copy: from then on the targets' changes come from the change log."""
+        if self.follower is not None and not self.follower.started:
+            assert self.changelog is not None
+            self.changelog.ensure()  # on this thread, before the follower reads it
+            self.follower.start()
 
     def _session(self, options: PgOutputOptions, *, check_health: bool) -> bool:
         """One replication connection, until stopped or lost. True when it applied something.
@@ -143,6 +160,8 @@ class LiveReplicator:
                     stream.send_status(self.confirmed, reply_requested=True)  # the reply proves the link lives
                 if self.health.due():
                     self.health.check(health_conn, own_pid=stream.conn.pgconn.backend_pid)
+                if self.follower is not None:
+                    self.follower.raise_error()
             # Stopping: finish what was received, so a clean stop loses no work.
             if core.writing:
                 progressed = core.finish_write() or progressed
@@ -227,12 +246,19 @@ class BackgroundReplicator:
         """Until the slot is confirmed up to the server's WAL position now; raises what ended the
         pipeline if it stops first."""
         source = self.replicator.config.source
+        started = time.monotonic()
         try:
             wait_until_caught_up(source.conninfo(), source.slot, timeout, running=self.thread.is_alive)
         except RuntimeError:
             if self.error is not None:
                 raise self.error from None
             raise
+        follower, changelog = self.replicator.follower, self.replicator.changelog
+        if follower is not None and changelog is not None and changelog.version is not None:
+            # confirm_after: changelog: the slot is confirmed at the log; the targets follow it.
+            if not follower.wait_for(changelog.version, max(0.0, timeout - (time.monotonic() - started))):
+                follower.raise_error()
+                raise RuntimeError(f"the targets did not catch up with the change log in {timeout} s")
 
     def finish(self, timeout: float | None = None) -> RunSummary:
         self.stop.event.set()

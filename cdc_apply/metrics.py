@@ -59,6 +59,13 @@ class PipelineMetrics:
                                registry=r).labels(pipeline)
         self.last_status = Gauge("cdc_apply_last_status_timestamp_seconds", "Unix time of the last status update "
                                  "or trigger (what /healthz watches)", p, registry=r).labels(pipeline)
+        self.changelog_lag = Histogram("cdc_apply_commit_to_changelog_lag_seconds", "PostgreSQL commit -> durable "
+                                       "in the change log, per transaction", p, buckets=LAG_BUCKETS,
+                                       registry=r).labels(pipeline)
+        self.changelog_lsn = Gauge("cdc_apply_changelog_lsn", "Commit LSN of the last transaction appended to the "
+                                   "change log", p, registry=r).labels(pipeline)
+        self.targets_lsn = Gauge("cdc_apply_targets_applied_lsn", "confirm_after: changelog: the commit LSN up to "
+                                 "which every target holds the change log", p, registry=r).labels(pipeline)
         self.table_changes = Counter("cdc_apply_table_changes", "Changes applied to a table, by operation "
                                      "(I insert, U update, D delete, T truncate)", [*p, "table", "op"], registry=r)
         self.table_lsn = Gauge("cdc_apply_table_last_commit_lsn", "Commit LSN of the last transaction applied "
@@ -88,6 +95,14 @@ class PipelineMetrics:
                 self.table_lsn.labels(self.pipeline, table.table).set(table.last_lsn)
                 if table.last_lsn in commit_ts:
                     self.table_ts.labels(self.pipeline, table.table).set(commit_ts[table.last_lsn])
+
+    def changelog_appended(self, last_lsn: int, lags: list[float]) -> None:
+        self.changelog_lsn.set(last_lsn)
+        for lag in lags:
+            self.changelog_lag.observe(max(lag, 0.0))
+
+    def targets_applied(self, lsn: int) -> None:
+        self.targets_lsn.set(lsn)
 
     def reconnected(self, error: BaseException) -> None:
         self.reconnects.inc()

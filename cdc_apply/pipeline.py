@@ -22,6 +22,7 @@ from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import TargetRegistry
 from cdc_apply.assemble import Transaction
 from cdc_apply.changelog import enabled_changelog
+from cdc_apply.changelog_apply import targets_from_changelog
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
@@ -105,7 +106,12 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
         applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(source.conninfo()).missing_value)
         snapshotter = Snapshotter(config, applier)
         summary.snapshots += snapshotter.sync()
-        sink = DeltaSink(applier, summary, snapshotter, enabled_changelog(spark, config))
+        changelog = enabled_changelog(spark, config)
+        from_log = None
+        if changelog is not None and config.changelog.confirm_after == "changelog":
+            from_log = targets_from_changelog(changelog, applier, summary, config.batching.max_changes)
+        # confirm_after: changelog: the batches only go to the log; the targets follow at the end.
+        sink = DeltaSink(applier, summary, snapshotter, changelog, (lambda: None) if from_log else None)
         advance = _slot_advancer(conn, config, summary)
         log.info("reading slot %s of %s up to %s", source.slot, source.describe(), format_lsn(upto))
         limit = config.batching.max_changes
@@ -125,6 +131,8 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
                         continue
                     break  # only undecided (prepared or open streamed) transactions are left
             limit = config.batching.max_changes
+    if from_log is not None:
+        from_log.catch_up()
     return summary
 
 

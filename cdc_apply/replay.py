@@ -19,13 +19,13 @@ from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.apply.options import ApplyOptions
 from cdc_apply.apply.targets import Target, TargetRegistry
 from cdc_apply.changelog import ChangeLog, ChangeLogError
+from cdc_apply.changelog_apply import ChangeLogApplier
 from cdc_apply.config import Config
 from cdc_apply.lsn import format_lsn
 from cdc_apply.progress import progress
 from cdc_apply.replication import BatchCut, ReplicationCore
 from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.sources.capture import read_captures
-from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, micro_batch_changes
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -52,30 +52,10 @@ def replay_changelog(spark: SparkSession, config: Config, options: ApplyOptions,
     held = changelog.version
     _refuse_targets_ahead(spark, options, changelog, held)
     frame = changelog.read(table, until_lsn)
-    per_transaction = frame.groupBy("commit_lsn").count().orderBy("commit_lsn").collect()
-    applier = BatchApplier(spark, options)  # no live source: the ADD COLUMN DEFAULT backfill is skipped
-    results = []
-    with progress("replay of the change log", sum(r["count"] for r in per_transaction), unit="changes") as advance:
-        for first, last, rows in _windows([(r["commit_lsn"], r["count"]) for r in per_transaction], max_changes):
-            window = frame.where((frame["commit_lsn"] >= first) & (frame["commit_lsn"] <= last))
-            transactions, parsed = micro_batch_changes(window.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
-            results.append(applier.apply(transactions, parsed=parsed))
-            advance(rows)
-    return results
-
-
-def _windows(per_transaction: list[tuple[int, int]], max_changes: int) -> list[tuple[int, int, int]]:
-    """(first commit LSN, last commit LSN, rows) of consecutive transactions, about ``max_changes`` rows each."""
-    windows: list[tuple[int, int, int]] = []
-    start, rows = None, 0
-    for index, (lsn, count) in enumerate(per_transaction):
-        if start is None:
-            start = lsn
-        rows += count
-        if rows >= max_changes or index == len(per_transaction) - 1:
-            windows.append((start, lsn, rows))
-            start, rows = None, 0
-    return windows
+    # No live source: the ADD COLUMN DEFAULT backfill is skipped.
+    applier = ChangeLogApplier(changelog, BatchApplier(spark, options), max_changes=max_changes)
+    with progress("replay of the change log", None, unit="changes") as advance:
+        return applier.apply(frame, advance)
 
 
 def _refuse_targets_ahead(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog, held: int | None) -> None:

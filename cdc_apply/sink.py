@@ -11,6 +11,7 @@ log (``changelog.py``), exactly once, before any target commit.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
@@ -34,6 +35,7 @@ class RunSummary:
     lag_timeline: list[tuple[float, float]] = field(default_factory=list)  # (visible at, lag) per transaction
     reconnects: int = 0
     changelog_rows: int = 0  # change rows appended to the change log
+    changelog_lag_seconds: list[float] = field(default_factory=list)  # commit in PostgreSQL -> in the change log
     metrics: PipelineMetrics | None = None  # told every batch, when the run exports metrics
 
     def record(self, result: BatchResult, transactions: list[Transaction]) -> None:
@@ -46,26 +48,43 @@ class RunSummary:
         if self.metrics is not None:
             self.metrics.batch_applied(result, transactions, lags)
 
-    def lag_percentile(self, fraction: float) -> float | None:
-        if not self.lag_seconds:
+    def logged(self, transactions: list[Transaction]) -> None:
+        """The transactions' change log commit is durable."""
+        now = time.time()
+        lags = [now - pg_us_to_unix_us(t.commit_ts) / 1e6 for t in transactions]
+        self.changelog_lag_seconds += lags
+        if self.metrics is not None and transactions:
+            self.metrics.changelog_appended(transactions[-1].commit_lsn, lags)
+
+    def lag_percentile(self, fraction: float, lags: list[float] | None = None) -> float | None:
+        """Of the commit -> target lags, or of ``lags``."""
+        lags = self.lag_seconds if lags is None else lags
+        if not lags:
             return None
-        ordered = sorted(self.lag_seconds)
+        ordered = sorted(lags)
         return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 class DeltaSink:
     def __init__(self, applier: BatchApplier, summary: RunSummary, snapshotter: Snapshotter | None = None,
-                 changelog: ChangeLog | None = None) -> None:
+                 changelog: ChangeLog | None = None, targets_from_changelog: Callable[[], None] | None = None) -> None:
         """``snapshotter=None``: no source to copy from (replay). ``changelog``: the change log the
-        batches go to first (``changelog.enabled``)."""
+        batches go to first (``changelog.enabled``). ``targets_from_changelog``: under
+        ``confirm_after: changelog``, called instead of applying the batch once the log holds it
+        (the targets follow from the log: ``changelog_apply.TargetFollower``)."""
         self.applier = applier
         self.summary = summary
         self.snapshotter = snapshotter
         self.changelog = changelog
+        self.targets_from_changelog = targets_from_changelog
 
     def write_batch(self, batch: list[Transaction]) -> None:
         if self.snapshotter is not None:
             self.summary.snapshots += self.snapshotter.sync_new(batch)
         if self.changelog is not None:
             self.summary.changelog_rows += self.changelog.append(batch)
+            self.summary.logged(batch)
+        if self.targets_from_changelog is not None:
+            self.targets_from_changelog()
+            return
         self.summary.record(self.applier.apply(batch), batch)

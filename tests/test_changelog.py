@@ -15,7 +15,9 @@ from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import Target
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.changelog import ChangeLog, ChangeLogError
+from cdc_apply.changelog_apply import AppliedPosition
 from cdc_apply.config import parse_config
+from cdc_apply.live import BackgroundReplicator
 from cdc_apply.pipeline import drain
 from cdc_apply.replay import replay_changelog
 from tests.test_decode_cli import _cli
@@ -89,3 +91,39 @@ def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18
 def test_replay_refuses_a_mix_of_captures_and_the_change_log() -> None:
     both = _cli("replay", "some.jsonl", "--changelog", "--config", "x.yaml")
     assert both.returncode == 2 and "not both" in both.stderr and "Traceback" not in both.stderr
+
+
+def test_confirm_after_changelog_confirms_at_the_log_and_the_targets_follow(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``confirm_after: changelog``: ``run --once`` and ``run --follow`` under a load end with every
+    target equal to PostgreSQL, brought up to date from the log (in windows across the log's
+    batches), with the applied position recorded at the log's version."""
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    config = _config(conninfo, warehouse, pipeline="confirming", confirm_after="changelog")
+    config = config.model_copy(update={"batching": config.batching.model_copy(update={"max_changes": 2000,
+                                                                                      "max_seconds": 0.5})})
+    position = AppliedPosition(warehouse, "confirming")
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        create_schema(conn, "load")
+        load = Load(conninfo, sessions=2, rate_per_session=20, big_every=40).start()
+        try:
+            time.sleep(2)
+            once = drain(config, spark)
+            assert once.changelog_rows > 0 and once.changelog_lag_seconds
+            with BackgroundReplicator(config, spark) as follower:
+                time.sleep(6)
+                load.finish()
+                follower.wait_caught_up(timeout=180)
+                summary = follower.replicator.summary
+                log_version = follower.replicator.changelog.version
+                assert summary.metrics is not None and summary.metrics.targets_lsn._value.get() == log_version
+        finally:
+            load.finish()
+        assert_delta_equals_postgres(spark, conn, warehouse)
+        assert position.read() == log_version == ChangeLog(spark, config).version
+        assert summary.changelog_rows > 0 and summary.batches
+        # Each logged transaction reached the targets in exactly one window: the recorded position
+        # neither re-reads nor skips a part of the log.
+        logged = ChangeLog(spark, config).read().select("commit_lsn").distinct().count()
+        assert sum(b.transactions for b in once.batches + summary.batches) == logged

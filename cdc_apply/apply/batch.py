@@ -62,13 +62,15 @@ class BatchApplier:
     """Applies batches of committed transactions to Delta targets. One per pipeline run."""
 
     def __init__(self, spark: SparkSession, options: ApplyOptions,
-                 missing_value: MissingValueLookup | None = None) -> None:
-        """``missing_value``: see ``SchemaApplier``, which backfills added columns with it."""
+                 missing_value: MissingValueLookup | None = None, registry: TargetRegistry | None = None) -> None:
+        """``missing_value``: see ``SchemaApplier``, which backfills added columns with it.
+        ``registry``: another applier's, when two write the same warehouse at once."""
         self.spark = spark
         self._thread_sessions = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self.options = options
-        self.registry = TargetRegistry(options.warehouse)
+        self.missing_value = missing_value
+        self.registry = registry or TargetRegistry(options.warehouse)
         self.target_states = TargetStates()
         self.schema = SchemaApplier(options, self.target_states, missing_value)
         self.rows = ChangeRowBuilder(self.schema.types)  # the same type cache: Type messages register there
@@ -95,6 +97,11 @@ class BatchApplier:
             return self._apply_spilled_apart(transactions)
         return self._apply_together(transactions, snapshot=snapshot, stream_batch=stream_batch,
                                     copy_progress=copy_progress, parsed=parsed)
+
+    def in_new_session(self) -> BatchApplier:
+        """An applier of the same targets in a Spark session of its own (the per-commit confs are
+        session state), for another thread that writes them."""
+        return BatchApplier(self.spark.newSession(), self.options, self.missing_value, self.registry)
 
     def _apply_spilled_apart(self, transactions: list[Transaction]) -> BatchResult:
         """The batch applied in parts: each spilled transaction alone, the runs of others between

@@ -1,0 +1,202 @@
+"""Targets brought up to date from the change log: ``changelog.confirm_after: changelog`` and
+``cdc-apply replay --changelog`` (docs/changelog.md).
+
+The log's rows are read in windows of whole transactions, turned back into transactions as
+``foreach_batch`` turns a micro-batch (``spark.foreach.micro_batch_changes``: the Relation in force
+and the message bytes each row holds), and applied by a ``BatchApplier`` with the same per-table
+versions as the run that wrote them.
+
+Invariants:
+- A window commits to each target with ``txnVersion`` = its last commit LSN; a window applied again
+  (after a crash, or a replay into the live warehouse) is skipped by those versions, so reading from
+  too early an LSN is only slower, never wrong.
+- ``AppliedPosition`` (``<warehouse>/_cdc_apply/changelog_applied.json``) is written after a
+  window's target commits are durable: it is a lower bound of what every target holds, so a
+  restart re-reads at most one window.
+- ``TargetFollower`` is the only writer of the targets' change commits in ``confirm_after:
+  changelog`` mode, in its own Spark session (the commit confs are session state); the stream's
+  thread only appends to the log and copies new tables, before their changes reach the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cdc_apply.apply.batch import BatchApplier, BatchResult
+from cdc_apply.assemble import Transaction
+from cdc_apply.changelog import ChangeLog
+from cdc_apply.errors import CdcApplyError
+from cdc_apply.lsn import format_lsn, parse_lsn
+from cdc_apply.sink import RunSummary
+from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, micro_batch_changes
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+log = logging.getLogger(__name__)
+
+class TargetsFromChangeLogFailed(CdcApplyError):
+    """The follower thread stopped on an error: the stream stops too (the log keeps every batch)."""
+
+
+Applied = Callable[[BatchResult, list[Transaction]], None]  # told each window applied
+
+
+class AppliedPosition:
+    """The commit LSN up to which every target of a warehouse holds a pipeline's change log."""
+
+    def __init__(self, warehouse: str, pipeline: str) -> None:
+        self.path = Path(warehouse) / "_cdc_apply" / "changelog_applied.json"
+        self.pipeline = pipeline
+
+    def _entries(self) -> dict[str, str]:
+        return json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def read(self) -> int | None:
+        text = self._entries().get(self.pipeline)
+        return parse_lsn(text) if text else None
+
+    def write(self, lsn: int) -> None:
+        entries = {**self._entries(), self.pipeline: format_lsn(lsn)}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(temporary, self.path)
+
+
+def transaction_windows(per_transaction: list[tuple[int, int]], max_changes: int) -> list[tuple[int, int, int]]:
+    """(first commit LSN, last commit LSN, rows) of consecutive transactions, about ``max_changes``
+    rows each; a larger transaction is a window of its own."""
+    windows: list[tuple[int, int, int]] = []
+    start, rows = None, 0
+    for index, (lsn, count) in enumerate(per_transaction):
+        if start is None:
+            start = lsn
+        rows += count
+        if rows >= max_changes or index == len(per_transaction) - 1:
+            windows.append((start, lsn, rows))
+            start, rows = None, 0
+    return windows
+
+
+class ChangeLogApplier:
+    """Applies the change log's transactions to the targets of ``applier``'s warehouse."""
+
+    def __init__(self, changelog: ChangeLog, applier: BatchApplier, *, max_changes: int,
+                 position: AppliedPosition | None = None, applied: Applied | None = None) -> None:
+        """``position``: where ``catch_up`` starts and what it records; ``applied``: told each window."""
+        self.changelog = changelog
+        self.applier = applier
+        self.max_changes = max_changes
+        self.position = position
+        self.applied = applied
+
+    def apply(self, frame: DataFrame, advance: Callable[[int], None] | None = None) -> list[BatchResult]:
+        """``frame``'s transactions (rows of the log), window by window in commit order."""
+        per_transaction = frame.groupBy("commit_lsn").count().orderBy("commit_lsn").collect()
+        results = []
+        for first, last, rows in transaction_windows([(r["commit_lsn"], r["count"]) for r in per_transaction],
+                                                     self.max_changes):
+            window = frame.where((frame["commit_lsn"] >= first) & (frame["commit_lsn"] <= last))
+            transactions, parsed = micro_batch_changes(window.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
+            result = self.applier.apply(transactions, parsed=parsed)
+            results.append(result)
+            if self.position is not None:
+                self.position.write(last)
+            if self.applied is not None:
+                self.applied(result, transactions)
+            if advance is not None:
+                advance(rows)
+        return results
+
+    def catch_up(self, until: int | None = None) -> list[BatchResult]:
+        """Every transaction the log holds past the recorded position (up to ``until``, default: what
+        the log holds now) applied; the position recorded window by window."""
+        assert self.position is not None, "catch_up records a position"
+        after = self.position.read()
+        held = self.changelog.version if until is None else until
+        if held is None or (after is not None and held <= after):
+            return []
+        frame = self.changelog.read(after=after, until_lsn=held)
+        results = self.apply(frame)
+        self.position.write(held)  # also past a tail of the log that held no rows of a published table
+        return results
+
+
+class TargetFollower:
+    """A ``ChangeLogApplier`` on its own thread: woken after each log append, it applies what the log
+    holds past the targets. ``error`` is what stopped it; the stream's loop raises it."""
+
+    def __init__(self, applier: ChangeLogApplier) -> None:
+        self.applier = applier
+        self.error: BaseException | None = None
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._idle = threading.Condition()
+        self.applied_lsn: int | None = applier.position.read() if applier.position is not None else None
+        self._thread = threading.Thread(target=self._run, name="cdc-apply-targets", daemon=True)
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    def start(self) -> TargetFollower:
+        self._wake.set()  # a log written by an earlier run may be ahead of the targets
+        self._thread.start()
+        return self
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self._wake.wait(timeout=1.0):
+                    continue
+                self._wake.clear()
+                self.applier.catch_up()
+                with self._idle:
+                    self.applied_lsn = self.applier.position.read() if self.applier.position else None
+                    self._idle.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the stream's thread
+            self.error = exc
+            with self._idle:
+                self._idle.notify_all()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise TargetsFromChangeLogFailed(f"bringing the targets up to date from the change log failed: "
+                                             f"{self.error}") from self.error
+
+    def wait_for(self, lsn: int, timeout: float) -> bool:
+        """Until the targets hold the log up to ``lsn``; False on timeout or when the follower failed."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.error is not None or (
+                self.applied_lsn is not None and self.applied_lsn >= lsn), timeout) and self.error is None
+
+    def stop(self, timeout: float | None = None) -> None:
+        """After the window being applied (the rest is applied on the next start)."""
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+
+def targets_from_changelog(changelog: ChangeLog, stream_applier: BatchApplier, summary: RunSummary,
+                           max_changes: int) -> ChangeLogApplier:
+    """The applier that brings ``stream_applier``'s targets up to date from ``changelog`` under
+    ``confirm_after: changelog``, in a Spark session of its own; each window it applies is recorded
+    in ``summary`` (commit -> target lag) and its metrics."""
+    def applied(result: BatchResult, transactions: list[Transaction]) -> None:
+        summary.record(result, transactions)
+        if summary.metrics is not None and result.last_lsn is not None:
+            summary.metrics.targets_applied(result.last_lsn)
+
+    return ChangeLogApplier(changelog, stream_applier.in_new_session(), max_changes=max_changes,
+                            position=AppliedPosition(stream_applier.options.warehouse, stream_applier.options.pipeline),
+                            applied=applied)
