@@ -10,8 +10,9 @@ statistics.
 
 Invariants:
 - Exactly once: each batch is one commit with ``txnAppId = <pipeline>/changelog`` and
-  ``txnVersion = the batch's last commit LSN``; a batch at or below the version the table holds is
-  not appended again (a replayed batch after a crash), so the log never holds a transaction twice.
+  ``txnVersion = the batch's last commit LSN``; the transactions of a batch at or below the version
+  the table holds are not appended again (a batch read again after a crash, perhaps cut
+  differently), so the log never holds a transaction twice.
 - The log is written before the targets (``sink.DeltaSink``): whatever a target holds, the log
   holds too, and the slot is confirmed only after both.
 - The table names the pipeline that writes it and its layout (``cdc_apply.changelog`` property);
@@ -117,9 +118,13 @@ class ChangeLog:
         if not transactions:
             return 0
         self.ensure()
+        if self._version is not None:
+            # Read again after a crash, a batch may be cut differently: the transactions the log
+            # holds are dropped, the rest appended.
+            transactions = [t for t in transactions if t.commit_lsn > self._version]
+            if not transactions:
+                return 0
         version = transactions[-1].commit_lsn
-        if self._version is not None and version <= self._version:
-            return 0  # a batch written again after a crash: the log holds it
         batches = list(record_batches(transactions))
         table = pa.Table.from_batches(batches, SOURCE_SCHEMA) if batches else SOURCE_SCHEMA.empty_table()
         metadata = json.dumps({"cdc_apply": "changelog", "pipeline": self.pipeline, "rows": table.num_rows,

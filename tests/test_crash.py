@@ -94,8 +94,9 @@ def crash_config(tmp_path: Path, conninfo: str, **sections: object) -> tuple[Pat
 
 
 def kill_at_random_points(conn: psycopg.Connection, load: Load, warehouse: str, new_job: Callable[[], Job],
-                          rng: random.Random) -> None:
-    """RANDOM_KILLS times: start a job, SIGKILL it at a random moment, check the slot against Delta."""
+                          rng: random.Random,
+                          check: Callable[[psycopg.Connection, Load, str], None] = _assert_confirmed_is_durable) -> None:
+    """RANDOM_KILLS times: start a job, SIGKILL it at a random moment, ``check`` the slot against Delta."""
     for _ in range(RANDOM_KILLS):
         job = new_job()
         assert job.streaming.wait(timeout=180), job.log.read_text()[-3000:]
@@ -104,7 +105,7 @@ def kill_at_random_points(conn: psycopg.Connection, load: Load, warehouse: str, 
         time.sleep(rng.uniform(0, 6))
         job.process.send_signal(signal.SIGKILL)
         assert job.wait(timeout=60) == -signal.SIGKILL
-        _assert_confirmed_is_durable(conn, load, warehouse)
+        check(conn, load, warehouse)
 
 
 @pytest.mark.timeout(2400)
