@@ -21,16 +21,19 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from cdc_apply.apply.options import MAX_PIECE_BYTES
 from cdc_apply.apply.sessionconf import delta_commit_conf
-from cdc_apply.apply.targets import Target, sql_string
-from cdc_apply.assemble import Transaction
+from cdc_apply.apply.targets import KnownVersionAppend, Target, sql_string
+from cdc_apply.assemble import SpilledChanges, Transaction
 from cdc_apply.config import Config
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn
@@ -71,6 +74,8 @@ class ChangeLog:
         self.target = changelog_target(spark, config, warehouse)
         self._version: int | None = None
         self._ready = False
+        self.piece_bytes = min(MAX_PIECE_BYTES, config.batching.spill_bytes)
+        self.pieces_written = 0  # pieces of spilled transactions in the last append
 
     def _identity(self) -> str:
         return json.dumps({"pipeline": self.pipeline, "layout": LAYOUT}, sort_keys=True)
@@ -114,10 +119,13 @@ class ChangeLog:
 
     def append(self, transactions: Sequence[Transaction]) -> int:
         """The batch's change rows in one commit; nothing when the log holds the batch already.
+        A spilled transaction is written a piece at a time (``piece_bytes`` of messages), so the
+        driver never holds it whole; the pieces become visible together, in the batch's one commit.
         Returns the rows appended."""
         if not transactions:
             return 0
         self.ensure()
+        self.pieces_written = 0
         if self._version is not None:
             # Read again after a crash, a batch may be cut differently: the transactions the log
             # holds are dropped, the rest appended.
@@ -125,16 +133,51 @@ class ChangeLog:
             if not transactions:
                 return 0
         version = transactions[-1].commit_lsn
-        batches = list(record_batches(transactions))
-        table = pa.Table.from_batches(batches, SOURCE_SCHEMA) if batches else SOURCE_SCHEMA.empty_table()
-        metadata = json.dumps({"cdc_apply": "changelog", "pipeline": self.pipeline, "rows": table.num_rows,
-                               "first_lsn": format_lsn(transactions[0].commit_lsn), "last_lsn": format_lsn(version)},
-                              sort_keys=True)
-        frame = self.spark.createDataFrame(table, SPARK_DDL)
-        with delta_commit_conf(self.spark, self.app_id, version, metadata):
-            self.target.write(frame, "append")
+        append = self.target.open_known_version_append(self.app_id, self.target.log_version())
+        rows = self._write_parts(append, transactions) if append is not None else None
+        if append is not None and rows is not None:
+            # The only writer of the log, this pipeline read the version it holds (``ensure``) and
+            # has written every version since: the log does not hold this one.
+            append.commit(version, self._metadata(transactions, rows))
+        else:  # the table's columns are not this layout's: Delta's own checked append says why
+            table = self._arrow(transactions)
+            rows = table.num_rows
+            with delta_commit_conf(self.spark, self.app_id, version, self._metadata(transactions, rows)):
+                self.target.write(self.spark.createDataFrame(table, SPARK_DDL), "append")
         self._version = version
-        return table.num_rows
+        return rows
+
+    def _metadata(self, transactions: Sequence[Transaction], rows: int) -> str:
+        return json.dumps({"cdc_apply": "changelog", "pipeline": self.pipeline, "rows": rows,
+                           "first_lsn": format_lsn(transactions[0].commit_lsn),
+                           "last_lsn": format_lsn(transactions[-1].commit_lsn)}, sort_keys=True)
+
+    def _write_parts(self, append: KnownVersionAppend, transactions: Sequence[Transaction]) -> int | None:
+        """The transactions held in memory as one frame, then each spilled one a piece at a time, into
+        files of ``append``; the rows written, or None when the table did not take a frame."""
+        parts: list[list[Transaction]] = [[t for t in transactions if not isinstance(t.changes, SpilledChanges)]]
+        for txn in transactions:
+            if isinstance(txn.changes, SpilledChanges):
+                parts += ([replace(txn, changes=piece)] for piece in txn.changes.pieces(self.piece_bytes))
+        rows = 0
+        for number, part in enumerate(parts):
+            if number and number % 64 == 0:
+                gc.collect()  # py4j lets a written frame's rows go only when the cycle collector runs
+            table = self._arrow(part)
+            if table.num_rows:
+                if not append.write(self.spark.createDataFrame(table, SPARK_DDL)):
+                    return None
+                rows += table.num_rows
+        self.pieces_written = len(parts) - 1
+        if self.pieces_written:
+            log.info("change log: %d rows, %d piece(s) of spilled transactions, in one commit", rows,
+                     self.pieces_written)
+        return rows
+
+    @staticmethod
+    def _arrow(transactions: Sequence[Transaction]) -> pa.Table:
+        batches = list(record_batches(transactions))
+        return pa.Table.from_batches(batches, SOURCE_SCHEMA) if batches else SOURCE_SCHEMA.empty_table()
 
     def read(self, table: str | None = None, until_lsn: int | None = None, after: int | None = None) -> DataFrame:
         """The log's rows (of one table, ``schema.table``; after and up to a commit LSN), in no order."""

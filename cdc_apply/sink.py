@@ -35,6 +35,7 @@ class RunSummary:
     lag_timeline: list[tuple[float, float]] = field(default_factory=list)  # (visible at, lag) per transaction
     reconnects: int = 0
     changelog_rows: int = 0  # change rows appended to the change log
+    changelog_pieces: int = 0  # pieces of spilled transactions written to it
     changelog_lag_seconds: list[float] = field(default_factory=list)  # commit in PostgreSQL -> in the change log
     metrics: PipelineMetrics | None = None  # told every batch, when the run exports metrics
 
@@ -83,6 +84,7 @@ class DeltaSink:
             self.summary.snapshots += self.snapshotter.sync_new(batch)
         if self.changelog is not None:
             self.summary.changelog_rows += self.changelog.append(batch)
+            self.summary.changelog_pieces += self.changelog.pieces_written
             self.summary.logged(batch)
         if self.targets_from_changelog is not None:
             self.targets_from_changelog()

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cdc_apply.apply.delta_log import writer_versions
 from cdc_apply.apply.targets import TargetRegistry
+from cdc_apply.changelog_apply import AppliedPosition
 from cdc_apply.config import Config
 from cdc_apply.lsn import format_lsn
 from cdc_apply.snapshot import ResyncMarks
@@ -48,9 +49,28 @@ def pipeline_status(config: Config) -> dict[str, Any]:
                 if writer.last_updated_ms is not None:
                     row["applied_at"] = datetime.fromtimestamp(writer.last_updated_ms / 1000, timezone.utc).isoformat()
         tables.append(row)
-    return {"pipeline": config.pipeline, "slot": {**health.as_dict(), "standby_copies": standbys},
-            "publication": {"names": list(source.publications), "exists": published is not None, "missing": missing},
-            "tables": tables}
+    status = {"pipeline": config.pipeline, "slot": {**health.as_dict(), "standby_copies": standbys},
+              "publication": {"names": list(source.publications), "exists": published is not None, "missing": missing},
+              "tables": tables}
+    if config.changelog.enabled:
+        status["changelog"] = changelog_status(config)
+    return status
+
+
+def changelog_status(config: Config) -> dict[str, Any]:
+    """Where the change log is, the last commit LSN it holds, and (``confirm_after: changelog``) how far
+    every target holds it: the MERGE lag, in WAL bytes, is the difference."""
+    settings = config.changelog
+    location = None if settings.name is not None else (
+        settings.path or f"{config.target.warehouse}/_cdc_apply/changelog")
+    writer = writer_versions(location).get(f"{config.pipeline}/changelog") if location else None
+    applied = AppliedPosition(config.target.warehouse, config.pipeline).read()
+    logged = writer.version if writer is not None else None
+    return {"location": location or settings.name, "confirm_after": settings.confirm_after,
+            "lsn": format_lsn(logged) if logged is not None else None,
+            "targets_applied_lsn": format_lsn(applied) if applied is not None else None,
+            "targets_behind_bytes": (max(0, logged - applied) if logged is not None and applied is not None
+                                     else None)}
 
 
 def scrape(host: str, port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

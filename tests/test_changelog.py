@@ -13,13 +13,17 @@ import pytest
 
 from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import Target
-from cdc_apply.bench.load import Load, create_schema
+from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.changelog import ChangeLog, ChangeLogError
 from cdc_apply.changelog_apply import AppliedPosition
 from cdc_apply.config import parse_config
 from cdc_apply.live import BackgroundReplicator
+from cdc_apply.lsn import format_lsn
 from cdc_apply.pipeline import drain
 from cdc_apply.replay import replay_changelog
+from cdc_apply.status import pipeline_status
+from tests.delta_oracle import delta_rows, source_types
+from tests.reference_apply import postgres_rows
 from tests.test_decode_cli import _cli
 from tests.test_live import assert_delta_equals_postgres
 
@@ -122,8 +126,42 @@ def test_confirm_after_changelog_confirms_at_the_log_and_the_targets_follow(db18
             load.finish()
         assert_delta_equals_postgres(spark, conn, warehouse)
         assert position.read() == log_version == ChangeLog(spark, config).version
+        reported = pipeline_status(config)["changelog"]
+        assert reported["lsn"] == reported["targets_applied_lsn"] == format_lsn(log_version)
+        assert reported["targets_behind_bytes"] == 0 and reported["confirm_after"] == "changelog"
         assert summary.changelog_rows > 0 and summary.batches
         # Each logged transaction reached the targets in exactly one window: the recorded position
         # neither re-reads nor skips a part of the log.
         logged = ChangeLog(spark, config).read().select("commit_lsn").distinct().count()
         assert sum(b.transactions for b in once.batches + summary.batches) == logged
+
+
+def test_a_spilled_transaction_goes_to_the_change_log_in_pieces(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A transaction past ``batching.spill_bytes`` (inserts, updates and deletes) is appended to the log
+    a piece at a time, in one commit, each change once; a rebuild from the log equals PostgreSQL."""
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    config = parse_config({"pipeline": "pieces", "source": {"dsn": conninfo, "slot": "pieces", "publication": "load"},
+                           "target": {"warehouse": warehouse}, "batching": {"spill_bytes": 64 * 1024},
+                           "changelog": {"enabled": True}})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        create_schema(conn, "load")
+        drain(config, spark)
+        with conn.transaction():
+            conn.execute("INSERT INTO accounts SELECT g, 'owner ' || g, g, NULL, now() FROM generate_series(1, 6000) g")
+            conn.execute("UPDATE accounts SET balance = balance + 1 WHERE id % 3 = 0")
+            conn.execute("DELETE FROM accounts WHERE id % 7 = 0")
+        summary = drain(config, spark)
+        assert summary.changelog_pieces > 1
+        assert summary.changelog_rows == 6000 + 2000 + 6000 // 7
+        rows = ChangeLog(spark, config).read()
+        assert rows.groupBy("commit_lsn", "xid", "seq", "relation_oid").count().where("count > 1").count() == 0
+        history = spark.sql(f"DESCRIBE HISTORY delta.`{warehouse}/_cdc_apply/changelog`").where("operation = 'WRITE'")
+        assert history.count() == 1  # the pieces in one commit
+        assert_delta_equals_postgres(spark, conn, warehouse)
+        rebuilt = str(tmp_path / "rebuilt")
+        replay_changelog(spark, config, replace(apply_options(config), warehouse=rebuilt))
+        columns = TABLES["public.accounts"]
+        assert delta_rows(spark, f"{rebuilt}/public/accounts", columns, source_types(conn, "public.accounts")) == \
+            postgres_rows(conn, "public.accounts", columns)
