@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--megabytes", type=float, default=1024.0, help="memory: row data in the one large transaction")
     bench.add_argument("--capacity-steps", type=int, default=4,
                        help="e2e: steady rates tried, doubling from --rate, for the capacity search (0: none)")
+    bench.add_argument("--changelog", action="store_true",
+                       help="e2e: the steady load and a backlog again with changelog.confirm_after: changelog, "
+                            "side by side")
     return parser
 
 

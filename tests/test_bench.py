@@ -32,9 +32,14 @@ def test_bench_apply_reports_merge_against_append() -> None:
     assert re.search(r"row-by-row collapse of the same changes to its MERGE source: [0-9.]+ s", run.stdout)
 
 
-def test_bench_e2e_reports_lag_and_catch_up_against_delivery() -> None:
-    run = _cli("bench", "e2e", "--seconds", "3", "--rate", "10", "--capacity-steps", "1")
+def test_bench_e2e_reports_lag_and_catch_up_against_delivery_with_and_without_the_change_log() -> None:
+    run = _cli("bench", "e2e", "--seconds", "3", "--rate", "10", "--capacity-steps", "1", "--changelog")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"commit -> change log lag p50 [0-9.]+ s, p99 [0-9.]+ s \(goal p99 <= 2 s\); commit -> target "
+                     r"lag p50 [0-9.]+ s, p99 [0-9.]+ s \(without: p50", run.stdout), run.stdout[-3000:]
+    confirmed = re.search(r"confirmed catch-up +ratio ([0-9.]+)x of the walsender's delivery .* the targets "
+                          r"([0-9.]+)x \(without the log: [0-9.]+x\)", run.stdout)
+    assert confirmed and float(confirmed[1]) >= float(confirmed[2]) > 0, run.stdout[-3000:]
     assert re.search(r"lag p50 [0-9.]+ s, p99 [0-9.]+ s \(the first run, in a new JVM: p99 [0-9.]+ s\)",
                      run.stdout), run.stdout[-3000:]
     assert _ratio(run.stdout, "pipeline catch-up") > 0

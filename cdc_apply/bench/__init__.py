@@ -20,7 +20,7 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
         from cdc_apply.bench.e2e import bench_e2e
 
         bench_e2e(seconds=args.seconds, rate=args.rate, sessions=args.sessions, parallel_tables=args.parallel_tables,
-                  capacity_steps=args.capacity_steps)
+                  capacity_steps=args.capacity_steps, changelog=args.changelog)
         return 0
     if name == "memory":
         from cdc_apply.bench.memory import bench_memory

@@ -25,7 +25,7 @@ from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgoutput.framing import XLogData
 from cdc_apply.pgserver import PgServer
 from cdc_apply.sources.preflight import protocol_options
-from cdc_apply.sources.slot import create_slot, server_version_num
+from cdc_apply.sources.slot import create_slot, server_version_num, wait_until_caught_up
 from cdc_apply.sources.walsender import WalSenderStream
 
 if TYPE_CHECKING:
@@ -70,23 +70,34 @@ def steady_follow(server: PgServer, config: Config, spark: SparkSession, seconds
     return sum(b.changes for b in summary.batches) / elapsed, summary
 
 
-def backlog(server: PgServer, seconds: float, sessions: int) -> int:
-    """An unthrottled load for ``seconds`` with every pipeline stopped; the WAL position it ends at."""
-    load = Load(server.dsn, sessions=sessions, rate_per_session=None, big_every=0, seed=2).start()
+def backlog(server: PgServer, seconds: float, sessions: int, seed: int = 2) -> int:
+    """An unthrottled load for ``seconds`` with every pipeline stopped; the WAL position it ends at.
+    Each load of one run needs its own ``seed``: the seed picks its keys."""
+    load = Load(server.dsn, sessions=sessions, rate_per_session=None, big_every=0, seed=seed).start()
     time.sleep(seconds)
     load.finish()
     with psycopg.connect(server.dsn, autocommit=True) as conn:
         return parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
 
 
-def catchup_follow(server: PgServer, config: Config, spark: SparkSession) -> tuple[int, float]:
-    """``run --follow`` over the slot's backlog: (changes applied, seconds until caught up)."""
+def catchup_follow(server: PgServer, config: Config, spark: SparkSession) -> tuple[int, float, float]:
+    """``run --follow`` over the slot's backlog: (changes applied, seconds until the slot is confirmed
+    up to the backlog's end, seconds until the targets hold it). Without ``confirm_after:
+    changelog`` the two times are one."""
     pipeline = BackgroundReplicator(config, spark).start()
     started = time.perf_counter()
+    wait_until_caught_up(server.dsn, config.source.slot, 1800, running=pipeline.thread.is_alive)
+    confirmed = time.perf_counter() - started
     pipeline.wait_caught_up(timeout=1800)
     seconds = time.perf_counter() - started
     pipeline.finish()
-    return sum(b.changes for b in pipeline.replicator.summary.batches), seconds
+    return sum(b.changes for b in pipeline.replicator.summary.batches), confirmed, seconds
+
+
+def with_changelog(config: Config) -> Config:
+    """``config`` with the change log on, and the slot confirmed at it."""
+    return config.model_copy(update={"changelog": config.changelog.model_copy(
+        update={"enabled": True, "confirm_after": "changelog"})})
 
 
 def capacity(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float,
@@ -129,35 +140,40 @@ def prepared(server: PgServer, slot: str, parallel_tables: int) -> tuple[Config,
 
 
 def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
-              parallel_tables: int = 4, capacity_steps: int = 4) -> dict[str, float]:
+              parallel_tables: int = 4, capacity_steps: int = 4, changelog: bool = False) -> dict[str, float]:
+    """``changelog``: the steady load and the backlog are run again with ``changelog.confirm_after:
+    changelog`` (same server, slot and targets), and both are reported side by side."""
+    phases = 4 if changelog else 3
     with PgServer() as server:
         config, spark = prepared(server, "bench", parallel_tables)
 
-        print(f"1/3 steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming, twice: "
-              f"the first run warms a new JVM up, the second is measured ...", flush=True)
+        print(f"1/{phases} steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming, "
+              f"twice: the first run warms a new JVM up, the second is measured ...", flush=True)
         _, cold = steady_follow(server, config, spark, seconds, rate, sessions)
         steady_rate, steady = steady_follow(server, config, spark, seconds, rate, sessions, seed=3, first=False)
 
-        print(f"2/3 backlog: unthrottled load for {seconds:g} s with the pipeline stopped ...", flush=True)
+        print(f"2/{phases} backlog: unthrottled load for {seconds:g} s with the pipeline stopped ...", flush=True)
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             create_slot(conn, "delivery")
         upto = backlog(server, seconds, sessions)
         delivered, delivery_seconds = _delivery(server, config, "delivery", upto)
-        catchup_changes, catchup_seconds = catchup_follow(server, config, spark)
+        catchup_changes, _, catchup_seconds = catchup_follow(server, config, spark)
+        result = {
+            "steady_changes_per_s": steady_rate,
+            "lag_p50_s": steady.lag_percentile(0.5) or 0.0,
+            "lag_p99_s": steady.lag_percentile(0.99) or 0.0,
+            "cold_lag_p99_s": cold.lag_percentile(0.99) or 0.0,
+            "delivery_changes_per_s": delivered / delivery_seconds,
+            "catchup_changes_per_s": catchup_changes / catchup_seconds,
+        }
+        if changelog:
+            result.update(_changelog_phases(server, with_changelog(config), spark, seconds, rate, sessions, phases))
         held = 0.0
         if capacity_steps:
-            print(f"3/3 capacity: the steady rate doubled from {rate:g} tx/s per session until the lag p99 passes "
-                  f"{CAPACITY_LAG_S:g} s (at most {capacity_steps} rates) ...", flush=True)
+            print(f"{phases}/{phases} capacity: the steady rate doubled from {rate:g} tx/s per session until the "
+                  f"lag p99 passes {CAPACITY_LAG_S:g} s (at most {capacity_steps} rates) ...", flush=True)
             held, _ = capacity(server, config, spark, seconds, rate, sessions, capacity_steps)
         spark.stop()
-    result = {
-        "steady_changes_per_s": steady_rate,
-        "lag_p50_s": steady.lag_percentile(0.5) or 0.0,
-        "lag_p99_s": steady.lag_percentile(0.99) or 0.0,
-        "cold_lag_p99_s": cold.lag_percentile(0.99) or 0.0,
-        "delivery_changes_per_s": delivered / delivery_seconds,
-        "catchup_changes_per_s": catchup_changes / catchup_seconds,
-    }
     result["ratio_catchup_to_delivery"] = result["catchup_changes_per_s"] / result["delivery_changes_per_s"]
     result["capacity_changes_per_s"] = held
     result["ratio_capacity_to_delivery"] = held / result["delivery_changes_per_s"]
@@ -170,9 +186,47 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
     print(f"  pipeline catch-up      {result['catchup_changes_per_s']:>10,.0f} changes/s "
           f"({catchup_changes:,} changes in {catchup_seconds:.2f} s)  "
           f"ratio {result['ratio_catchup_to_delivery']:.3f}x (goal >= 0.4x)")
+    if changelog:
+        _print_changelog(result)
     if capacity_steps:
         print(f"  capacity (p99 <= {CAPACITY_LAG_S:g} s) {held:>10,.0f} changes/s  "
               f"ratio {result['ratio_capacity_to_delivery']:.3f}x (goal >= 0.25x)")
     else:
         print("  capacity               not searched (--capacity-steps 0)")
     return result
+
+
+def _changelog_phases(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float,
+                      sessions: int, phases: int) -> dict[str, float]:
+    """The steady load and a backlog again, with ``confirm_after: changelog``: the lags to the log and
+    to the targets, and the catch-up of the slot's confirmed position and of the targets, each
+    against the walsender's delivery of the same backlog."""
+    print(f"3/{phases} with the change log (confirm_after: changelog): the steady load, then a backlog ...",
+          flush=True)
+    _, steady = steady_follow(server, config, spark, seconds, rate, sessions, seed=5, first=False)
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        create_slot(conn, "delivery_changelog")
+    upto = backlog(server, seconds, sessions, seed=6)
+    delivered, delivery_seconds = _delivery(server, config, "delivery_changelog", upto)
+    changes, confirmed_seconds, targets_seconds = catchup_follow(server, config, spark)
+    delivery = delivered / delivery_seconds
+    return {
+        "changelog_lag_p50_s": steady.lag_percentile(0.5, steady.changelog_lag_seconds) or 0.0,
+        "changelog_lag_p99_s": steady.lag_percentile(0.99, steady.changelog_lag_seconds) or 0.0,
+        "changelog_target_lag_p50_s": steady.lag_percentile(0.5) or 0.0,
+        "changelog_target_lag_p99_s": steady.lag_percentile(0.99) or 0.0,
+        "changelog_delivery_changes_per_s": delivery,
+        "ratio_confirmed_catchup_to_delivery": changes / confirmed_seconds / delivery,
+        "ratio_changelog_targets_catchup_to_delivery": changes / targets_seconds / delivery,
+    }
+
+
+def _print_changelog(result: dict[str, float]) -> None:
+    print(f"  with the change log    commit -> change log lag p50 {result['changelog_lag_p50_s']:.2f} s, "
+          f"p99 {result['changelog_lag_p99_s']:.2f} s (goal p99 <= 2 s); commit -> target lag p50 "
+          f"{result['changelog_target_lag_p50_s']:.2f} s, p99 {result['changelog_target_lag_p99_s']:.2f} s "
+          f"(without: p50 {result['lag_p50_s']:.2f} s, p99 {result['lag_p99_s']:.2f} s)")
+    print(f"  confirmed catch-up     ratio {result['ratio_confirmed_catchup_to_delivery']:.3f}x of the walsender's "
+          f"delivery ({result['changelog_delivery_changes_per_s']:,.0f} changes/s; goal >= 0.6x); the targets "
+          f"{result['ratio_changelog_targets_catchup_to_delivery']:.3f}x (without the log: "
+          f"{result['ratio_catchup_to_delivery']:.3f}x)")
