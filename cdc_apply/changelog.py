@@ -36,7 +36,7 @@ from cdc_apply.apply.targets import KnownVersionAppend, Target, sql_string
 from cdc_apply.assemble import SpilledChanges, Transaction
 from cdc_apply.config import Config
 from cdc_apply.errors import CdcApplyError
-from cdc_apply.lsn import format_lsn
+from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.spark.rows import SOURCE_SCHEMA, SPARK_DDL, record_batches
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 LAYOUT = 1  # the columns of spark/rows.py's untyped rows, partitioned by relation_oid
 PROPERTY = "cdc_apply.changelog"
+TRIMMED_PROPERTY = "cdc_apply.changelog.trimmed_through"  # set by ``trim``: rows up to this LSN are gone
 
 
 class ChangeLogError(CdcApplyError):
@@ -178,6 +179,47 @@ class ChangeLog:
     def _arrow(transactions: Sequence[Transaction]) -> pa.Table:
         batches = list(record_batches(transactions))
         return pa.Table.from_batches(batches, SOURCE_SCHEMA) if batches else SOURCE_SCHEMA.empty_table()
+
+    @property
+    def trimmed_through(self) -> int | None:
+        """The commit LSN up to which ``trim`` removed the log's rows (None: it holds every batch since
+        its start)."""
+        self.ensure()
+        text = self.target.properties().get(TRIMMED_PROPERTY)
+        return parse_lsn(text) if text else None
+
+    def refuse_if_trimmed_past(self, table: str, holds: int | None) -> None:
+        """Refuses to bring ``table`` (whose target holds the log up to ``holds``; None: nothing) up to
+        date from a log trimmed past that: the changes in between are gone."""
+        trimmed = self.trimmed_through
+        if trimmed is not None and (holds is None or holds < trimmed):
+            raise ChangeLogError(
+                f"{table}: the change log {self.target.location} was trimmed through LSN {format_lsn(trimmed)} "
+                f"(its retention), and the target holds changes only up to "
+                f"{'nothing' if holds is None else format_lsn(holds)}: the changes in between are no longer in the "
+                "log. Rebuild this table by a resync (cdc-apply resync), not from the log")
+
+    def last_lsn_committed_before(self, unix_seconds: float) -> int | None:
+        """The commit LSN of the last transaction in the log committed before ``unix_seconds``."""
+        from pyspark.sql import functions as F
+
+        self.ensure()
+        frame = self.target.read()
+        row = frame.where(frame["commit_ts"] < F.timestamp_seconds(F.lit(unix_seconds))) \
+            .agg(F.max("commit_lsn")).collect()[0]
+        return row[0]
+
+    def trim(self, through: int) -> int:
+        """Removes the rows of transactions committed at or before ``through``, after recording it
+        (``cdc_apply.changelog.trimmed_through``), so that a replay that would need them is refused.
+        Returns the rows removed; the files go at the next ``VACUUM``."""
+        self.ensure()
+        before = self.trimmed_through
+        if before is None or through > before:
+            self.spark.sql(f"ALTER TABLE {self.target.sql} SET TBLPROPERTIES ({sql_string(TRIMMED_PROPERTY)} = "
+                           f"{sql_string(format_lsn(through))})")
+        metrics = self.spark.sql(f"DELETE FROM {self.target.sql} WHERE commit_lsn <= {int(through)}").collect()
+        return int(metrics[0][0]) if metrics and metrics[0][0] is not None else 0
 
     def read(self, table: str | None = None, until_lsn: int | None = None, after: int | None = None) -> DataFrame:
         """The log's rows (of one table, ``schema.table``; after and up to a commit LSN), in no order."""

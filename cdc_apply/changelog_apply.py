@@ -123,6 +123,7 @@ class ChangeLogApplier:
         held = self.changelog.version if until is None else until
         if held is None or (after is not None and held <= after):
             return []
+        self.changelog.refuse_if_trimmed_past(f"the targets of {self.applier.options.warehouse}", after)
         frame = self.changelog.read(after=after, until_lsn=held)
         results = self.apply(frame)
         self.position.write(held)  # also past a tail of the log that held no rows of a published table

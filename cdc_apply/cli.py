@@ -102,6 +102,42 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_trim_changelog(args: argparse.Namespace) -> int:
+    from cdc_apply.changelog import ChangeLog
+    from cdc_apply.changelog_apply import AppliedPosition
+    from cdc_apply.config import load_config
+    from cdc_apply.lsn import parse_lsn
+    from cdc_apply.spark import build_spark_session
+
+    if (args.through_lsn is None) == (args.older_than_days is None):
+        raise ConfigError("trim-changelog: give --through-lsn or --older-than-days, one of them")
+    try:
+        through = parse_lsn(args.through_lsn) if args.through_lsn else None
+    except ValueError as exc:
+        raise ConfigError(f"trim-changelog --through-lsn: {exc}") from None
+    config = load_config(args.config)
+    if not config.changelog.enabled:
+        raise ConfigError(f"{args.config}: changelog.enabled is false: there is no change log to trim")
+    changelog = ChangeLog(build_spark_session(config.spark), config)
+    if through is None:
+        through = changelog.last_lsn_committed_before(time.time() - args.older_than_days * 86400)
+    if through is None:
+        print("trim-changelog: no transaction in the change log is old enough; nothing removed")
+        return EXIT_OK
+    if config.changelog.confirm_after == "changelog":
+        applied = AppliedPosition(config.target.warehouse, config.pipeline).read()
+        if applied is None or applied < through:  # the targets still need those rows
+            print(f"trim-changelog: the targets hold the log only up to "
+                  f"{'nothing' if applied is None else format_lsn(applied)}; trimming through that instead")
+            if applied is None:
+                return EXIT_OK
+            through = applied
+    removed = changelog.trim(through)
+    print(f"trim-changelog: {removed:,} rows of transactions committed through {format_lsn(through)} removed from "
+          f"{changelog.target.location}; their files go at its next VACUUM")
+    return EXIT_OK
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from cdc_apply.spark import build_spark_session
     from cdc_apply.config import load_config
@@ -227,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--config", help="YAML config (tables, batching, spark)")
     replay.add_argument("--max-changes", type=int, default=None,
                         help="cut batches after this many changes (default: batching.max_changes)")
+
+    trim = verb("trim-changelog", _cmd_trim_changelog, "the change log's retention: remove the rows of old "
+                "transactions, recording how far, so that a replay needing them is refused")
+    trim.add_argument("--config", required=True, help="YAML config (the pipeline and its change log)")
+    trim.add_argument("--through-lsn", help="remove transactions committed at or before this LSN (X/Y)")
+    trim.add_argument("--older-than-days", type=float, help="remove transactions committed more than N days ago")
 
     run = verb("run", _cmd_run, "apply a slot's changes to Delta, then confirm them")
     run.add_argument("--config", required=True, help="YAML config")

@@ -28,7 +28,7 @@ from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.sources.capture import read_captures
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 
 def replay(spark: SparkSession, paths: Sequence[str], options: ApplyOptions, *, max_changes: int = 1_000_000,
@@ -52,10 +52,24 @@ def replay_changelog(spark: SparkSession, config: Config, options: ApplyOptions,
     held = changelog.version
     _refuse_targets_ahead(spark, options, changelog, held)
     frame = changelog.read(table, until_lsn)
+    if changelog.trimmed_through is not None:
+        _refuse_tables_trimmed_past(spark, options, changelog, frame)
     # No live source: the ADD COLUMN DEFAULT backfill is skipped.
     applier = ChangeLogApplier(changelog, BatchApplier(spark, options), max_changes=max_changes)
     with progress("replay of the change log", None, unit="changes") as advance:
         return applier.apply(frame, advance)
+
+
+def _refuse_tables_trimmed_past(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog,
+                                frame: DataFrame) -> None:
+    """Each table the replay would apply must hold the log up to where ``trim`` removed it."""
+    registry = TargetRegistry(options.warehouse)
+    for row in frame.select("relation_oid", "schema", "table").distinct().collect():
+        entry = registry.get(row["relation_oid"])
+        target = Target(spark, entry["location"], entry["by_name"]) if entry else None
+        holds = target.committed_version(f"{options.pipeline}/{row['relation_oid']}") \
+            if target is not None and target.exists() else None
+        changelog.refuse_if_trimmed_past(f"{row['schema']}.{row['table']}", holds)
 
 
 def _refuse_targets_ahead(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog, held: int | None) -> None:

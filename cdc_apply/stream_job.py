@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import psycopg
 
-from cdc_apply.config import Config, SourceConfig
+from cdc_apply.config import Config, ConfigError, SourceConfig
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
 from cdc_apply.pipeline import prepare_source
 from cdc_apply.runtime import StopFlag
@@ -71,6 +71,9 @@ def start_stream(config: Config, spark: SparkSession, with_function: Literal[Tru
 def start_stream(config: Config, spark: SparkSession, with_function: bool = False,
                  metrics: PipelineMetrics | None = None) -> Any:
     """The query; with ``with_function`` also its foreach_batch function (``.summary``: batches, lag)."""
+    if config.changelog.enabled:
+        raise ConfigError("changelog.enabled: the Structured Streaming job (cdc-apply stream) does not write the "
+                          "change log yet; run the pipeline with cdc-apply run to keep one (docs/changelog.md)")
     limit = config.stream.max_changes_per_trigger or config.batching.max_changes
     reader = spark.readStream.format("pgoutput").options(**source_options(config.source, limit))
     apply = foreach_batch(config, metrics=metrics)

@@ -5,6 +5,8 @@ and targets ahead of the log, are refused with the place named."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import replace
 
@@ -16,6 +18,7 @@ from cdc_apply.apply.targets import Target
 from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.changelog import ChangeLog, ChangeLogError
 from cdc_apply.changelog_apply import AppliedPosition
+from cdc_apply.cli import main as cli_main
 from cdc_apply.config import parse_config
 from cdc_apply.live import BackgroundReplicator
 from cdc_apply.lsn import format_lsn
@@ -34,7 +37,7 @@ def _config(conninfo: str, warehouse: str, pipeline: str = "logged", **changelog
                          "changelog": {"enabled": True, **changelog}})
 
 
-def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18, spark, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     server, dbname = db18
     conninfo = server.conninfo(dbname)
     warehouse = str(tmp_path / "wh")
@@ -90,6 +93,21 @@ def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18
         with pytest.raises(ChangeLogError, match=r"public\.\w+: its target holds changes up to LSN .* past the change "
                                                  r"log .* \(up to nothing\)"):
             replay_changelog(spark, fresh_log, apply_options(fresh_log))
+
+        # Retention: trimmed through an LSN, the log refuses a rebuild that needs what it removed.
+        config_file = tmp_path / "logged.json"
+        config_file.write_text(json.dumps(config.model_dump(mode="json", exclude_defaults=True)))
+        assert cli_main(["trim-changelog", "--config", str(config_file), "--older-than-days", "1"]) == 0
+        assert "nothing removed" in capsys.readouterr().out
+        held_through_middle = rows.where(rows["commit_lsn"] <= middle).count()
+        assert cli_main(["trim-changelog", "--config", str(config_file), "--through-lsn", format_lsn(middle)]) == 0
+        removed = int(re.search(r"trim-changelog: ([0-9,]+) rows", capsys.readouterr().out)[1].replace(",", ""))
+        assert removed == held_through_middle > 0
+        assert changelog.trimmed_through == middle and changelog.read().where(f"commit_lsn <= {middle}").count() == 0
+        with pytest.raises(ChangeLogError, match=rf"public\.\w+: the change log .* was trimmed through LSN "
+                                                 rf"{format_lsn(middle)} .* holds changes only up to nothing"):
+            replay_changelog(spark, config, replace(apply_options(config), warehouse=str(tmp_path / "after_trim")))
+        assert all(t.skipped for batch in replay_changelog(spark, config, options) for t in batch.tables)
 
 
 def test_replay_refuses_a_mix_of_captures_and_the_change_log() -> None:
