@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 class TargetsFromChangeLogFailed(CdcApplyError):
     """The follower thread stopped on an error: the stream stops too (the log keeps every batch)."""
 
+
+# At most this long the targets wait for the stream to work through a backlog (full batches) before
+# they take their share of the machine again: the targets may lag the log, never starve.
+BACKLOG_YIELD_S = 30.0
 
 Applied = Callable[[BatchResult, list[Transaction]], None]  # told each window applied
 
@@ -97,12 +102,16 @@ class ChangeLogApplier:
         self.position = position
         self.applied = applied
 
-    def apply(self, frame: DataFrame, advance: Callable[[int], None] | None = None) -> list[BatchResult]:
-        """``frame``'s transactions (rows of the log), window by window in commit order."""
+    def apply(self, frame: DataFrame, advance: Callable[[int], None] | None = None,
+              stopping: threading.Event | None = None) -> list[BatchResult]:
+        """``frame``'s transactions (rows of the log), window by window in commit order; when
+        ``stopping`` is set, none after the window being applied."""
         per_transaction = frame.groupBy("commit_lsn").count().orderBy("commit_lsn").collect()
         results = []
         for first, last, rows in transaction_windows([(r["commit_lsn"], r["count"]) for r in per_transaction],
                                                      self.max_changes):
+            if stopping is not None and stopping.is_set():
+                break
             window = frame.where((frame["commit_lsn"] >= first) & (frame["commit_lsn"] <= last))
             transactions, parsed = micro_batch_changes(window.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
             result = self.applier.apply(transactions, parsed=parsed)
@@ -115,9 +124,9 @@ class ChangeLogApplier:
                 advance(rows)
         return results
 
-    def catch_up(self, until: int | None = None) -> list[BatchResult]:
+    def catch_up(self, until: int | None = None, stopping: threading.Event | None = None) -> list[BatchResult]:
         """Every transaction the log holds past the recorded position (up to ``until``, default: what
-        the log holds now) applied; the position recorded window by window."""
+        the log holds now) applied; the position recorded window by window (``stopping``: see ``apply``)."""
         assert self.position is not None, "catch_up records a position"
         after = self.position.read()
         held = self.changelog.version if until is None else until
@@ -125,8 +134,9 @@ class ChangeLogApplier:
             return []
         self.changelog.refuse_if_trimmed_past(f"the targets of {self.applier.options.warehouse}", after)
         frame = self.changelog.read(after=after, until_lsn=held)
-        results = self.apply(frame)
-        self.position.write(held)  # also past a tail of the log that held no rows of a published table
+        results = self.apply(frame, stopping=stopping)
+        if stopping is None or not stopping.is_set():
+            self.position.write(held)  # also past a tail of the log that held no rows of a published table
         return results
 
 
@@ -140,6 +150,7 @@ class TargetFollower:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._idle = threading.Condition()
+        self._backlog_since: float | None = None  # monotonic time the stream's batches became full
         self.applied_lsn: int | None = applier.position.read() if applier.position is not None else None
         self._thread = threading.Thread(target=self._run, name="cdc-apply-targets", daemon=True)
 
@@ -152,8 +163,22 @@ class TargetFollower:
         self._thread.start()
         return self
 
-    def wake(self) -> None:
+    def logged(self, batch: list[Transaction]) -> None:
+        """The log holds ``batch`` now. A batch of ``max_changes`` means the stream is working through a
+        backlog: the follower then yields the machine to it (``BACKLOG_YIELD_S`` at most), so the
+        slot's confirmed position, which is what holds WAL on the server, catches up first."""
+        full = sum(len(t.changes) for t in batch) >= self.applier.max_changes
+        with self._idle:
+            self._backlog_since = (self._backlog_since or time.monotonic()) if full else None
         self._wake.set()
+
+    def _yield_to_a_backlog(self) -> None:
+        while not self._stopping.is_set():
+            with self._idle:
+                since = self._backlog_since
+            if since is None or time.monotonic() - since >= BACKLOG_YIELD_S:
+                return
+            self._stopping.wait(0.2)
 
     def _run(self) -> None:
         try:
@@ -161,7 +186,10 @@ class TargetFollower:
                 if not self._wake.wait(timeout=1.0):
                     continue
                 self._wake.clear()
-                self.applier.catch_up()
+                self._yield_to_a_backlog()
+                if self._stopping.is_set():
+                    break
+                self.applier.catch_up(stopping=self._stopping)
                 with self._idle:
                     self.applied_lsn = self.applier.position.read() if self.applier.position else None
                     self._idle.notify_all()

@@ -77,7 +77,7 @@ class LiveReplicator:
             self.follower = TargetFollower(targets_from_changelog(self.changelog, self.applier, self.summary,
                                                                   config.batching.max_changes))
         self.sink = DeltaSink(self.applier, self.summary, self.snapshotter, self.changelog,
-                              self.follower.wake if self.follower is not None else None)
+                              self.follower.logged if self.follower is not None else None)
         self.confirmed = 0
         self.previous_reader: tuple[str, int, int] | None = None  # host, port, backend PID of the last stream
 

@@ -111,7 +111,7 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
         if changelog is not None and config.changelog.confirm_after == "changelog":
             from_log = targets_from_changelog(changelog, applier, summary, config.batching.max_changes)
         # confirm_after: changelog: the batches only go to the log; the targets follow at the end.
-        sink = DeltaSink(applier, summary, snapshotter, changelog, (lambda: None) if from_log else None)
+        sink = DeltaSink(applier, summary, snapshotter, changelog, (lambda batch: None) if from_log else None)
         advance = _slot_advancer(conn, config, summary)
         log.info("reading slot %s of %s up to %s", source.slot, source.describe(), format_lsn(upto))
         limit = config.batching.max_changes

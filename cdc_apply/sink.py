@@ -68,10 +68,10 @@ class RunSummary:
 
 class DeltaSink:
     def __init__(self, applier: BatchApplier, summary: RunSummary, snapshotter: Snapshotter | None = None,
-                 changelog: ChangeLog | None = None, targets_from_changelog: Callable[[], None] | None = None) -> None:
+                 changelog: ChangeLog | None = None, targets_from_changelog: Callable[[list[Transaction]], None] | None = None) -> None:
         """``snapshotter=None``: no source to copy from (replay). ``changelog``: the change log the
         batches go to first (``changelog.enabled``). ``targets_from_changelog``: under
-        ``confirm_after: changelog``, called instead of applying the batch once the log holds it
+        ``confirm_after: changelog``, told the batch instead of applying it once the log holds it
         (the targets follow from the log: ``changelog_apply.TargetFollower``)."""
         self.applier = applier
         self.summary = summary
@@ -87,6 +87,6 @@ class DeltaSink:
             self.summary.changelog_pieces += self.changelog.pieces_written
             self.summary.logged(batch)
         if self.targets_from_changelog is not None:
-            self.targets_from_changelog()
+            self.targets_from_changelog(batch)
             return
         self.summary.record(self.applier.apply(batch), batch)

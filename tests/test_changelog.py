@@ -130,11 +130,11 @@ def test_confirm_after_changelog_confirms_at_the_log_and_the_targets_follow(db18
         create_schema(conn, "load")
         load = Load(conninfo, sessions=2, rate_per_session=20, big_every=40).start()
         try:
-            time.sleep(2)
+            time.sleep(1)
             once = drain(config, spark)
             assert once.changelog_rows > 0 and once.changelog_lag_seconds
             with BackgroundReplicator(config, spark) as follower:
-                time.sleep(6)
+                time.sleep(4)
                 load.finish()
                 follower.wait_caught_up(timeout=180)
                 summary = follower.replicator.summary
