@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
-from cdc_apply.assemble import Transaction
+from cdc_apply.assemble import SpilledChanges, Transaction
 from cdc_apply.changelog import ChangeLog
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn, parse_lsn
@@ -124,6 +124,20 @@ class ChangeLogApplier:
                 advance(rows)
         return results
 
+    def apply_logged(self, transactions: list[Transaction]) -> BatchResult | None:
+        """Transactions the log holds, handed over in memory by the stream right after it appended them
+        and following on from the recorded position: applied, and the position moved past them."""
+        assert self.position is not None, "apply_logged records a position"
+        after = self.position.read()
+        transactions = [t for t in transactions if after is None or t.commit_lsn > after]
+        if not transactions:
+            return None
+        result = self.applier.apply(transactions)
+        self.position.write(transactions[-1].commit_lsn)
+        if self.applied is not None:
+            self.applied(result, transactions)
+        return result
+
     def catch_up(self, until: int | None = None, stopping: threading.Event | None = None) -> list[BatchResult]:
         """Every transaction the log holds past the recorded position (up to ``until``, default: what
         the log holds now) applied; the position recorded window by window (``stopping``: see ``apply``)."""
@@ -142,7 +156,13 @@ class ChangeLogApplier:
 
 class TargetFollower:
     """A ``ChangeLogApplier`` on its own thread: woken after each log append, it applies what the log
-    holds past the targets. ``error`` is what stopped it; the stream's loop raises it."""
+    holds past the targets. ``error`` is what stopped it; the stream's loop raises it.
+
+    The batches the stream appends are also handed over in memory (``logged``), up to
+    ``max_changes`` changes waiting: while that queue holds every batch logged since the targets'
+    position, they are applied from it, without reading the log back. A batch that does not fit, or
+    holds a spilled transaction (its spill file is the stream's), breaks the chain: the next round
+    reads the log from the position, and the chain starts again after what that read held."""
 
     def __init__(self, applier: ChangeLogApplier) -> None:
         self.applier = applier
@@ -151,6 +171,9 @@ class TargetFollower:
         self._stopping = threading.Event()
         self._idle = threading.Condition()
         self._backlog_since: float | None = None  # monotonic time the stream's batches became full
+        self._queue: list[list[Transaction]] = []  # batches logged since the last read of the log
+        self._queued_changes = 0
+        self._chained = False  # the queue holds every batch logged after the targets' position
         self.applied_lsn: int | None = applier.position.read() if applier.position is not None else None
         self._thread = threading.Thread(target=self._run, name="cdc-apply-targets", daemon=True)
 
@@ -167,10 +190,27 @@ class TargetFollower:
         """The log holds ``batch`` now. A batch of ``max_changes`` means the stream is working through a
         backlog: the follower then yields the machine to it (``BACKLOG_YIELD_S`` at most), so the
         slot's confirmed position, which is what holds WAL on the server, catches up first."""
-        full = sum(len(t.changes) for t in batch) >= self.applier.max_changes
+        changes = sum(len(t.changes) for t in batch)
+        full = changes >= self.applier.max_changes
         with self._idle:
             self._backlog_since = (self._backlog_since or time.monotonic()) if full else None
+            if self._queued_changes + changes > self.applier.max_changes or \
+                    any(isinstance(t.changes, SpilledChanges) for t in batch):
+                self._chained = False
+            if self._chained:
+                self._queue.append(list(batch))
+                self._queued_changes += changes
+            else:
+                self._queue, self._queued_changes = [], 0
         self._wake.set()
+
+    def _take_queue(self) -> list[Transaction] | None:
+        """The queued batches' transactions when they continue the targets' position; else None, and
+        the chain starts again (the caller reads the log, which holds whatever was logged so far)."""
+        with self._idle:
+            batches, chained = self._queue, self._chained
+            self._queue, self._queued_changes, self._chained = [], 0, True
+        return [t for batch in batches for t in batch] if chained else None
 
     def _yield_to_a_backlog(self) -> None:
         while not self._stopping.is_set():
@@ -189,7 +229,11 @@ class TargetFollower:
                 self._yield_to_a_backlog()
                 if self._stopping.is_set():
                     break
-                self.applier.catch_up(stopping=self._stopping)
+                queued = self._take_queue()
+                if queued is None:
+                    self.applier.catch_up(stopping=self._stopping)
+                elif queued:
+                    self.applier.apply_logged(queued)
                 with self._idle:
                     self.applied_lsn = self.applier.position.read() if self.applier.position else None
                     self._idle.notify_all()

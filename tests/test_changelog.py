@@ -18,7 +18,7 @@ from cdc_apply.apply.targets import Target
 from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.changelog import ChangeLog, ChangeLogError
 from cdc_apply.changelog_apply import AppliedPosition
-from cdc_apply.cli import main as cli_main
+from cdc_apply.cli import build_parser
 from cdc_apply.config import parse_config
 from cdc_apply.live import BackgroundReplicator
 from cdc_apply.lsn import format_lsn
@@ -35,6 +35,12 @@ def _config(conninfo: str, warehouse: str, pipeline: str = "logged", **changelog
     return parse_config({"pipeline": pipeline, "source": {"dsn": conninfo, "slot": pipeline, "publication": "load"},
                          "target": {"warehouse": warehouse}, "batching": {"max_changes": 300},
                          "changelog": {"enabled": True, **changelog}})
+
+
+def _trim(*arguments: str) -> int:
+    """``cdc-apply trim-changelog`` in this process (its Spark session), without the CLI's logging setup."""
+    args = build_parser().parse_args(["trim-changelog", *arguments])
+    return int(args.handler(args))
 
 
 def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18, spark, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -97,10 +103,10 @@ def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18
         # Retention: trimmed through an LSN, the log refuses a rebuild that needs what it removed.
         config_file = tmp_path / "logged.json"
         config_file.write_text(json.dumps(config.model_dump(mode="json", exclude_defaults=True)))
-        assert cli_main(["trim-changelog", "--config", str(config_file), "--older-than-days", "1"]) == 0
+        assert _trim("--config", str(config_file), "--older-than-days", "1") == 0
         assert "nothing removed" in capsys.readouterr().out
         held_through_middle = rows.where(rows["commit_lsn"] <= middle).count()
-        assert cli_main(["trim-changelog", "--config", str(config_file), "--through-lsn", format_lsn(middle)]) == 0
+        assert _trim("--config", str(config_file), "--through-lsn", format_lsn(middle)) == 0
         removed = int(re.search(r"trim-changelog: ([0-9,]+) rows", capsys.readouterr().out)[1].replace(",", ""))
         assert removed == held_through_middle > 0
         assert changelog.trimmed_through == middle and changelog.read().where(f"commit_lsn <= {middle}").count() == 0
@@ -128,6 +134,7 @@ def test_confirm_after_changelog_confirms_at_the_log_and_the_targets_follow(db18
     position = AppliedPosition(warehouse, "confirming")
     with psycopg.connect(conninfo, autocommit=True) as conn:
         create_schema(conn, "load")
+        drain(config, spark)  # the slot and the (empty) copies
         load = Load(conninfo, sessions=2, rate_per_session=20, big_every=40).start()
         try:
             time.sleep(1)
