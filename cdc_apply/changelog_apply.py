@@ -16,6 +16,9 @@ Invariants:
 - ``TargetFollower`` is the only writer of the targets' change commits in ``confirm_after:
   changelog`` mode, in its own Spark session (the commit confs are session state); the stream's
   thread only appends to the log and copies new tables, before their changes reach the log.
+- The follower applies batches handed over in memory only while they continue the recorded position
+  without a gap (``TargetFollower._take_queue``); otherwise it reads the log, which holds every
+  batch the stream was told is durable.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
 log = logging.getLogger(__name__)
+
 
 class TargetsFromChangeLogFailed(CdcApplyError):
     """The follower thread stopped on an error: the stream stops too (the log keeps every batch)."""
@@ -148,6 +152,8 @@ class ChangeLogApplier:
             return []
         self.changelog.refuse_if_trimmed_past(f"the targets of {self.applier.options.warehouse}", after)
         frame = self.changelog.read(after=after, until_lsn=held)
+        log.info("bringing the targets up to date from the change log: %s .. %s",
+                 "the start" if after is None else format_lsn(after), format_lsn(held))
         results = self.apply(frame, stopping=stopping)
         if stopping is None or not stopping.is_set():
             self.position.write(held)  # also past a tail of the log that held no rows of a published table

@@ -113,7 +113,9 @@ def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18
         with pytest.raises(ChangeLogError, match=rf"public\.\w+: the change log .* was trimmed through LSN "
                                                  rf"{format_lsn(middle)} .* holds changes only up to nothing"):
             replay_changelog(spark, config, replace(apply_options(config), warehouse=str(tmp_path / "after_trim")))
-        assert all(t.skipped for batch in replay_changelog(spark, config, options) for t in batch.tables)
+        # A target that holds the log past the trim is still brought up from it (here: nothing to do).
+        held = replay_changelog(spark, config, options, table="public.tags", max_changes=100_000)
+        assert held and all(t.skipped for batch in held for t in batch.tables)
 
 
 def test_replay_refuses_a_mix_of_captures_and_the_change_log() -> None:
