@@ -14,7 +14,8 @@ Invariants:
   the table holds are not appended again (a batch read again after a crash, perhaps cut
   differently), so the log never holds a transaction twice.
 - The log is written before the targets (``sink.DeltaSink``): whatever a target holds, the log
-  holds too, and the slot is confirmed only after both.
+  holds too. The slot is confirmed after both (``confirm_after: targets``), or after the log's
+  commit, the targets following from it (``confirm_after: changelog``, ``changelog_apply.py``).
 - The table names the pipeline that writes it and its layout (``cdc_apply.changelog`` property);
   another pipeline's log, or another layout, is refused, never appended to.
 """
