@@ -81,7 +81,8 @@ def bench_stream(seconds: float = 20.0, rate: float = 40.0, sessions: int = 2) -
         upto = backlog(server, seconds, sessions)
         delivered, delivery_seconds = _delivery(server, follow, "delivery", upto)
         result["delivery_changes_per_s"] = delivered / delivery_seconds
-        for name, (changes, took) in (("follow", catchup_follow(server, follow, spark)),
+        follow_changes, _, follow_took = catchup_follow(server, follow, spark)
+        for name, (changes, took) in (("follow", (follow_changes, follow_took)),
                                       ("stream", catchup_stream(stream, spark))):
             result[f"{name}_catchup_changes_per_s"] = changes / took
             result[f"ratio_{name}_catchup_to_delivery"] = changes / took / result["delivery_changes_per_s"]
