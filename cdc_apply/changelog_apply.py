@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
+from cdc_apply.apply.targets import write_json_atomically
 from cdc_apply.assemble import SpilledChanges, Transaction
 from cdc_apply.changelog import ChangeLog
 from cdc_apply.errors import CdcApplyError
@@ -72,11 +72,7 @@ class AppliedPosition:
         return parse_lsn(text) if text else None
 
     def write(self, lsn: int) -> None:
-        entries = {**self._entries(), self.pipeline: format_lsn(lsn)}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
-        os.replace(temporary, self.path)
+        write_json_atomically(self.path, {**self._entries(), self.pipeline: format_lsn(lsn)})
 
 
 def transaction_windows(per_transaction: list[tuple[int, int]], max_changes: int) -> list[tuple[int, int, int]]:

@@ -13,7 +13,7 @@ wrote them. Either way, replaying twice changes nothing (exactly-once versions).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.apply.options import ApplyOptions
@@ -65,17 +65,20 @@ def _refuse_tables_trimmed_past(spark: SparkSession, options: ApplyOptions, chan
     """Each table the replay would apply must hold the log up to where ``trim`` removed it."""
     registry = TargetRegistry(options.warehouse)
     for row in frame.select("relation_oid", "schema", "table").distinct().collect():
-        entry = registry.get(row["relation_oid"])
-        target = Target(spark, entry["location"], entry["by_name"]) if entry else None
-        holds = target.committed_version(f"{options.pipeline}/{row['relation_oid']}") \
-            if target is not None and target.exists() else None
+        holds = _target_holds(spark, options, row["relation_oid"], registry.get(row["relation_oid"]))
         changelog.refuse_if_trimmed_past(f"{row['schema']}.{row['table']}", holds)
+
+
+def _target_holds(spark: SparkSession, options: ApplyOptions, oid: int, entry: dict[str, Any] | None) -> int | None:
+    """The commit LSN the pipeline last applied to the relation's target in ``options.warehouse``
+    (its registry ``entry``); None when it has none."""
+    target = Target(spark, entry["location"], entry["by_name"]) if entry else None
+    return target.committed_version(f"{options.pipeline}/{oid}") if target is not None and target.exists() else None
 
 
 def _refuse_targets_ahead(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog, held: int | None) -> None:
     for oid, entry in TargetRegistry(options.warehouse).entries().items():
-        target = Target(spark, entry["location"], entry["by_name"])
-        version = target.committed_version(f"{options.pipeline}/{oid}") if target.exists() else None
+        version = _target_holds(spark, options, oid, entry)
         if version is not None and (held is None or version > held):
             raise ChangeLogError(
                 f"{entry['schema']}.{entry['table']}: its target holds changes up to LSN {format_lsn(version)}, "

@@ -282,6 +282,14 @@ def sql_string(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def write_json_atomically(path: Path, data: object) -> None:
+    """``data`` as JSON at ``path``, which a reader finds whole or as it was (write, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(temporary, path)
+
+
 class TargetRegistry:
     """relation OID -> target location, kept in ``<warehouse>/_cdc_apply/targets.json``."""
 
@@ -299,10 +307,7 @@ class TargetRegistry:
         with self._lock:  # tables may be applied by several threads
             self._entries[str(relation_oid)] = {"location": location, "by_name": by_name,
                                                 "schema": schema, "table": table}
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = self.path.with_suffix(".tmp")
-            temporary.write_text(json.dumps(self._entries, indent=1, sort_keys=True))
-            os.replace(temporary, self.path)
+            write_json_atomically(self.path, self._entries)
 
     def entries(self) -> dict[int, dict[str, Any]]:
         return {int(oid): entry for oid, entry in self._entries.items()}
