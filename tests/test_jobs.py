@@ -95,26 +95,26 @@ def standalone_cluster(tmp_path: Path) -> Iterator[str]:
                 process.wait(timeout=30)
 
 
-@pytest.mark.parametrize("where", ["local", "standalone"])
-def test_spark_submit_job(where, db18, spark, tmp_path, request) -> None:  # type: ignore[no-untyped-def]
+def test_spark_submit_job_on_a_standalone_cluster_then_local(db18, spark, tmp_path, standalone_cluster) -> None:  # type: ignore[no-untyped-def]
+    """The same YAML job under spark-submit twice: the initial copy on the standalone cluster (its
+    tasks run on the worker), then the changes with ``--master local[2]``."""
     server, dbname = db18
     conninfo = server.conninfo(dbname)
-    config = _prepare(conninfo, tmp_path, f"submit_{where}")
-    master = "local[2]" if where == "local" else request.getfixturevalue("standalone_cluster")
+    config = _prepare(conninfo, tmp_path, "submit")
+    masters = iter([standalone_cluster, "local[2]"])
 
     def run() -> str:
-        result = _submit(config, master)
+        result = _submit(config, next(masters))
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return result.stdout
 
     first, second = _changes_then_oracle(spark, conninfo, tmp_path, run)
     assert "snapshot public.stock: 200 rows" in first
     assert "public.stock" in second and "I        1 U       66 D       10" in second
-    if where == "standalone":
-        worker_log = (tmp_path / "worker.log").read_text()
-        assert "Asked to launch executor" in worker_log  # the work ran on the cluster's worker
-        executor_logs = "".join(path.read_text() for path in (tmp_path / "work").glob("app-*/*/stderr"))
-        assert "cdc_apply copy task 0 of public.stock: " in executor_logs and "pages public.stock:0..1" in executor_logs
+    worker_log = (tmp_path / "worker.log").read_text()
+    assert worker_log.count("Asked to launch executor") == 1  # the copy ran on the cluster's worker, the changes locally
+    executor_logs = "".join(path.read_text() for path in (tmp_path / "work").glob("app-*/*/stderr"))
+    assert "cdc_apply copy task 0 of public.stock: " in executor_logs and "pages public.stock:0..1" in executor_logs
 
 
 def test_airflow_dag_runs_a_batch_and_returns_its_summary(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]

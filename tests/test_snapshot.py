@@ -76,11 +76,11 @@ def test_snapshot_under_writes_then_stream_and_a_table_added_later(db18, spark, 
         assert not drain(config, spark).snapshots
 
 
-def test_a_parallel_copy_killed_half_way_resumes_where_it_stopped(any_db, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_parallel_copy_killed_half_way_resumes_where_it_stopped(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Spark's tasks copy 20-page ranges, one commit each; a kill -9 after two commits; the rerun copies
     the other ranges from a new snapshot, merged by key, and the changes made in between (to rows
     copied before and after the kill, and new rows) land once."""
-    _killed_copy_resumes(any_db, spark, tmp_path, {"method": "spark", "range_pages": 20, "ranges_per_commit": 1},
+    _killed_copy_resumes(db18, spark, tmp_path, {"method": "spark", "range_pages": 20, "ranges_per_commit": 1},
                          "after range [0, 40]")
 
 
