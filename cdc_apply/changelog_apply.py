@@ -35,6 +35,7 @@ from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.apply.targets import write_json_atomically
 from cdc_apply.assemble import SpilledChanges, Transaction
 from cdc_apply.changelog import ChangeLog
+from cdc_apply.config import Config
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.sink import RunSummary
@@ -260,6 +261,15 @@ class TargetFollower:
         self._stopping.set()
         self._wake.set()
         self._thread.join(timeout)
+
+
+def targets_follow_elsewhere(config: Config) -> Callable[[list[Transaction]], None] | None:
+    """For ``DeltaSink``: under ``changelog.targets: separate`` a batch is done once the log holds it
+    (``cdc-apply follow-changelog`` applies it to the targets); else None (the caller decides)."""
+    settings = config.changelog
+    if settings.enabled and settings.confirm_after == "changelog" and settings.targets == "separate":
+        return lambda batch: None
+    return None
 
 
 def targets_from_changelog(changelog: ChangeLog, stream_applier: BatchApplier, summary: RunSummary,

@@ -184,6 +184,30 @@ def _cmd_stream(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_follow_changelog(args: argparse.Namespace) -> int:
+    from cdc_apply.changelog_stream import start_changelog_stream
+    from cdc_apply.config import load_config
+    from cdc_apply.runtime import StopFlag
+    from cdc_apply.spark import build_spark_session
+    from cdc_apply.stream_job import await_query
+
+    config = load_config(args.config)
+    spark = build_spark_session(config.spark)
+    with StopFlag().on_signals() as stop:
+        query = start_changelog_stream(config, spark, once=args.once)
+        try:
+            await_query(query, stop)
+        finally:
+            if query.isActive:
+                query.stop()
+    summary = query.summary  # type: ignore[attr-defined]
+    lasts = [result.last_lsn for result in summary.batches if result.last_lsn is not None]
+    print(f"follow-changelog: {len(summary.batches)} window(s), {sum(r.changes for r in summary.batches):,} changes "
+          f"applied{f', the last committed at {format_lsn(lasts[-1])}' if lasts else ''}; p99 commit -> target lag "
+          f"{summary.lag_percentile(0.99) or 0:.1f} s")
+    return EXIT_OK
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from cdc_apply.config import load_config
     from cdc_apply.status import pipeline_status, watch
@@ -280,6 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     stream = verb("stream", _cmd_stream, "a Structured Streaming query: format(\"pgoutput\") -> foreachBatch -> Delta")
     stream.add_argument("--config", required=True, help="YAML config file")
+    follow = verb("follow-changelog", _cmd_follow_changelog,
+                  "keep the targets current from the change log: a Structured Streaming query over it "
+                  "(changelog.targets: separate)")
+    follow.add_argument("--config", required=True, help="YAML config file")
+    follow.add_argument("--once", action="store_true", help="apply what the log holds now, then exit")
     status = verb("status", _cmd_status, "the slot's health and each table's applied position, as JSON "
                                          "(exit 1 when the slot does not exist)")
     status.add_argument("--config", required=True, help="YAML config")

@@ -243,6 +243,10 @@ class ChangelogConfig(_Strict):
     # changelog: once the log's commit is durable; the targets follow from the log in the same
     # process (docs/changelog.md, "Choosing confirm_after").
     confirm_after: Literal["targets", "changelog"] = "targets"
+    # confirm_after: changelog only. in_process: the run's own thread brings the targets up from the log.
+    # separate: cdc-apply follow-changelog does (a Structured Streaming query over the log); the run
+    # only copies new tables and appends to the log.
+    targets: Literal["in_process", "separate"] = "in_process"
 
     @model_validator(mode="after")
     def _one_place(self) -> ChangelogConfig:
@@ -250,6 +254,9 @@ class ChangelogConfig(_Strict):
             raise ValueError("give changelog.path or changelog.name, not both")
         if self.confirm_after == "changelog" and not self.enabled:
             raise ValueError("changelog.confirm_after: changelog needs changelog.enabled: true")
+        if self.targets == "separate" and self.confirm_after != "changelog":
+            raise ValueError("changelog.targets: separate needs changelog.confirm_after: changelog (with "
+                             "confirm_after: targets the run applies every batch to the targets itself)")
         return self
 
 

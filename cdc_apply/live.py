@@ -34,7 +34,7 @@ import psycopg
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
 from cdc_apply.changelog import enabled_changelog
-from cdc_apply.changelog_apply import TargetFollower, targets_from_changelog
+from cdc_apply.changelog_apply import TargetFollower, targets_follow_elsewhere, targets_from_changelog
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
@@ -76,11 +76,12 @@ class LiveReplicator:
         self.summary = RunSummary(metrics=self.metrics)
         self.changelog = enabled_changelog(spark, config)
         self.follower: TargetFollower | None = None
-        if self.changelog is not None and config.changelog.confirm_after == "changelog":
+        if self.changelog is not None and config.changelog.confirm_after == "changelog" and \
+                config.changelog.targets == "in_process":
             self.follower = TargetFollower(targets_from_changelog(self.changelog, self.applier, self.summary,
                                                                   config.batching.max_changes))
         self.sink = DeltaSink(self.applier, self.summary, self.snapshotter, self.changelog,
-                              self.follower.logged if self.follower is not None else None)
+                              self.follower.logged if self.follower is not None else targets_follow_elsewhere(config))
         self.confirmed = 0
         self.previous_reader: tuple[str, int, int] | None = None  # host, port, backend PID of the last stream
 

@@ -22,7 +22,7 @@ from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import TargetRegistry
 from cdc_apply.assemble import Transaction
 from cdc_apply.changelog import enabled_changelog
-from cdc_apply.changelog_apply import targets_from_changelog
+from cdc_apply.changelog_apply import targets_follow_elsewhere, targets_from_changelog
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
@@ -108,10 +108,13 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
         summary.snapshots += snapshotter.sync()
         changelog = enabled_changelog(spark, config)
         from_log = None
-        if changelog is not None and config.changelog.confirm_after == "changelog":
+        if changelog is not None and config.changelog.confirm_after == "changelog" and \
+                config.changelog.targets == "in_process":
             from_log = targets_from_changelog(changelog, applier, summary, config.batching.max_changes)
-        # confirm_after: changelog: the batches only go to the log; the targets follow at the end.
-        sink = DeltaSink(applier, summary, snapshotter, changelog, (lambda batch: None) if from_log else None)
+        # confirm_after: changelog: the batches only go to the log; the targets follow at the end (in_process),
+        # or cdc-apply follow-changelog brings them up (separate).
+        sink = DeltaSink(applier, summary, snapshotter, changelog,
+                         (lambda batch: None) if from_log else targets_follow_elsewhere(config))
         advance = _slot_advancer(conn, config, summary)
         log.info("reading slot %s of %s up to %s", source.slot, source.describe(), format_lsn(upto))
         limit = config.batching.max_changes

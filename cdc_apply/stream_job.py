@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -106,24 +107,20 @@ def run_stream(config: Config, spark: SparkSession, stop: StopFlag,
     query = start_stream(config, spark, metrics=metrics)
     server: MetricsServer | None = None
     last_progress: object = None
+    def tick() -> None:
+        nonlocal last_progress
+        progress = query.lastProgress
+        stamp = progress["timestamp"] if progress else None
+        if stamp != last_progress or not query.status["isTriggerActive"]:
+            metrics.beat()
+            last_progress = stamp
+        if health.due():
+            _check_health(config, health)
+
     try:
         if config.metrics.port is not None:
             server = MetricsServer(metrics, config.metrics.host, config.metrics.port)
-        while query.isActive:
-            if stop.event.wait(0.5):
-                while query.status["isTriggerActive"]:  # let the running micro-batch commit
-                    time.sleep(0.2)
-                query.stop()
-                break
-            progress = query.lastProgress
-            stamp = progress["timestamp"] if progress else None
-            if stamp != last_progress or not query.status["isTriggerActive"]:
-                metrics.beat()
-                last_progress = stamp
-            if health.due():
-                _check_health(config, health)
-        if query.exception() is not None:
-            raise query.exception()  # type: ignore[misc]
+        await_query(query, stop, tick)
     except BaseException as exc:
         metrics.error(exc)
         raise
@@ -133,6 +130,21 @@ def run_stream(config: Config, spark: SparkSession, stop: StopFlag,
         if server is not None:
             server.close()
     return [progress for progress in query.recentProgress if progress["numInputRows"] or progress["batchId"] == 0]
+
+
+def await_query(query: StreamingQuery, stop: StopFlag, tick: Callable[[], None] | None = None) -> None:
+    """Until ``query`` ends (available_now) or a stop is asked, when the running micro-batch commits
+    first; ``tick`` is called every half second meanwhile. Raises the query's error."""
+    while query.isActive:
+        if stop.event.wait(0.5):
+            while query.status["isTriggerActive"]:
+                time.sleep(0.2)
+            query.stop()
+            break
+        if tick is not None:
+            tick()
+    if query.exception() is not None:
+        raise query.exception()  # type: ignore[misc]
 
 
 def _check_health(config: Config, health: HealthMonitor) -> None:

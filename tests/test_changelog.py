@@ -19,7 +19,8 @@ from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.changelog import ChangeLog, ChangeLogError
 from cdc_apply.changelog_apply import AppliedPosition
 from cdc_apply.cli import build_parser
-from cdc_apply.config import parse_config
+from cdc_apply.changelog_stream import start_changelog_stream
+from cdc_apply.config import ConfigError, parse_config
 from cdc_apply.live import BackgroundReplicator
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pipeline import drain
@@ -161,6 +162,60 @@ def test_confirm_after_changelog_confirms_at_the_log_and_the_targets_follow(db18
         # neither re-reads nor skips a part of the log.
         logged = ChangeLog(spark, config).read().select("commit_lsn").distinct().count()
         assert sum(b.transactions for b in once.batches + summary.batches) == logged
+
+
+def test_follow_changelog_keeps_the_targets_current_as_a_separate_streaming_job(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``changelog.targets: separate``: the run only appends to the log, and the targets wait; the
+    follow-changelog query (``readStream.format("delta")`` on the log), in this process under a load
+    and then as ``cdc-apply follow-changelog --once``, brings every target equal to PostgreSQL,
+    each logged transaction applied once. A run that applies the targets itself is refused."""
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    config = _config(conninfo, warehouse, pipeline="separate", confirm_after="changelog", targets="separate")
+    config = config.model_copy(update={"stream": config.stream.model_copy(update={"interval_seconds": 0.5})})
+    position = AppliedPosition(warehouse, "separate")
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        create_schema(conn, "load")
+        drain(config, spark)  # the slot and the (empty) copies
+        load = Load(conninfo, sessions=2, rate_per_session=10, big_every=40).start()
+        try:
+            time.sleep(2)
+            assert drain(config, spark).changelog_rows > 0
+            assert Target(spark, f"{warehouse}/public/ledger", False).read().count() == 0  # left to the follower
+            query = start_changelog_stream(config, spark)
+            try:
+                time.sleep(2)
+                drain(config, spark)
+                load.finish()
+                drain(config, spark)
+                version = ChangeLog(spark, config).version
+                deadline = time.monotonic() + 120
+                while position.read() != version:
+                    assert query.isActive, query.exception()
+                    assert time.monotonic() < deadline, f"the targets hold the log up to {position.read()}, not {version}"
+                    time.sleep(0.5)
+            finally:
+                query.stop()
+        finally:
+            load.finish()
+        assert_delta_equals_postgres(spark, conn, warehouse)
+        logged = ChangeLog(spark, config).read().select("commit_lsn").distinct().count()
+        assert sum(b.transactions for b in query.summary.batches) == logged  # each once, none skipped
+
+        conn.execute("UPDATE ledger SET amount = amount + 1 WHERE seq % 2 = 0")
+        conn.execute("DELETE FROM tags WHERE weight % 3 = 0")
+        drain(config, spark)
+        config_file = tmp_path / "separate.json"
+        config_file.write_text(json.dumps(config.model_dump(mode="json", exclude_defaults=True)))
+        once = _cli("follow-changelog", "--config", str(config_file), "--once")
+        assert once.returncode == 0, once.stderr[-3000:]
+        assert re.search(r"follow-changelog: 1 window\(s\), [1-9][\d,]* changes applied", once.stdout), once.stdout
+        assert_delta_equals_postgres(spark, conn, warehouse)
+
+        in_process = _config(conninfo, warehouse, pipeline="separate", confirm_after="changelog")
+        with pytest.raises(ConfigError, match="changelog.targets: cdc-apply follow-changelog"):
+            start_changelog_stream(in_process, spark)
 
 
 def test_a_spilled_transaction_goes_to_the_change_log_in_pieces(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]

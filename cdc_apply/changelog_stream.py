@@ -1,0 +1,90 @@
+"""``cdc-apply follow-changelog``: the targets kept current from the change log by a Structured
+Streaming query, ``readStream.format("delta")`` on the log -> ``foreachBatch`` (docs/changelog.md,
+"The targets as a separate job"). This is the bronze -> silver pipeline run by Spark: the ``run``
+process (``changelog.targets: separate``) only copies new tables and appends to the log, and
+confirms the slot at the log's commit.
+
+Each micro-batch says how far the log has grown: its largest commit LSN. The batch's own rows are
+not applied; ``ChangeLogApplier.catch_up`` reads the log up to that LSN in windows of whole
+transactions from the targets' recorded position. That makes a micro-batch's cut irrelevant: Delta's
+streaming source may split one append's files over two micro-batches, but the log's commit holds the
+whole transaction, and the first micro-batch that sees any of it applies all of it.
+
+Invariants:
+- The targets' exactly-once versions are the log's commit LSNs, as for the in-process follower: a
+  micro-batch run again after a crash, or a new checkpoint that starts from the whole log, applies
+  nothing a target holds.
+- Only one writer brings the targets up from the log: this query refuses a config whose ``run``
+  does it itself (``changelog.targets: in_process``).
+- The log's trims (``trim-changelog``, a DELETE) are not changes to follow: the query skips them
+  (``skipChangeCommits``); a target that needs trimmed rows is refused by ``catch_up``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cdc_apply.apply.batch import BatchApplier
+from cdc_apply.apply.options import apply_options
+from cdc_apply.changelog import ChangeLog
+from cdc_apply.changelog_apply import AppliedPosition, ChangeLogApplier
+from cdc_apply.config import Config, ConfigError
+from cdc_apply.lsn import format_lsn
+from cdc_apply.sink import RunSummary
+from cdc_apply.sources.catalog import SourceCatalog
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.streaming import StreamingQuery
+
+log = logging.getLogger(__name__)
+
+
+def changelog_checkpoint(config: Config) -> str:
+    """``<warehouse>/_cdc_apply/changelog_checkpoints/<pipeline>``: beside the targets' recorded position,
+    apart from ``cdc-apply stream``'s checkpoints."""
+    return str(Path(config.target.warehouse) / "_cdc_apply" / "changelog_checkpoints" / config.pipeline)
+
+
+def start_changelog_stream(config: Config, spark: SparkSession, *, once: bool = False) -> StreamingQuery:
+    """The query that applies the change log to the targets, in a Spark session of its own (a Delta
+    commit's ``txnAppId`` is session state: a caller's own writes on the same session would mix with
+    the query's). ``once``: everything the log holds now, then the query ends (``availableNow``);
+    else a trigger every ``stream.interval_seconds``. ``query.summary`` (a ``RunSummary``) counts
+    the windows applied and their commit -> target lag."""
+    if not config.changelog.enabled or config.changelog.targets != "separate":
+        raise ConfigError("changelog.targets: cdc-apply follow-changelog brings the targets up from the change log "
+                          "only when the pipeline's run leaves that to it (changelog.enabled: true, confirm_after: "
+                          "changelog, targets: separate); two writers would fight over the targets' commits")
+    session = spark.newSession()
+    changelog = ChangeLog(session, config)
+    changelog.ensure()
+    applier = BatchApplier(session, apply_options(config),
+                           missing_value=SourceCatalog(config.source.conninfo()).missing_value)
+    summary = RunSummary()
+    from_log = ChangeLogApplier(changelog, applier, max_changes=config.batching.max_changes,
+                                position=AppliedPosition(config.target.warehouse, config.pipeline),
+                                applied=lambda result, transactions: summary.record(result, transactions))
+
+    def apply_micro_batch(frame: DataFrame, batch_id: int) -> None:
+        grown_to = frame.agg({"commit_lsn": "max"}).collect()[0][0]
+        if grown_to is None:
+            return
+        results = from_log.catch_up(until=grown_to)
+        log.info("change log micro-batch %d: the targets hold the log up to %s (%d window(s) applied)", batch_id,
+                 format_lsn(grown_to), len(results))
+
+    target = changelog.target
+    reader = session.readStream.format("delta").option("skipChangeCommits", "true")
+    frame = reader.table(target.location) if target.by_name else reader.load(target.location)
+    writer = (frame.select("commit_lsn").writeStream.foreachBatch(apply_micro_batch)
+              .queryName(f"{config.pipeline}/changelog").option("checkpointLocation", changelog_checkpoint(config)))
+    writer = writer.trigger(availableNow=True) if once else \
+        writer.trigger(processingTime=f"{config.stream.interval_seconds} seconds")
+    query = writer.start()
+    query.summary = summary  # type: ignore[attr-defined]
+    log.info("following the change log %s into the targets of %s (query id %s, checkpoint %s)", target.location,
+             config.target.warehouse, query.id, changelog_checkpoint(config))
+    return query
