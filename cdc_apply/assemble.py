@@ -199,7 +199,7 @@ class NonTransactionalMessage:
 Event = Transaction | NonTransactionalMessage
 
 
-class _ChangeBuffer:
+class ChangeBuffer:
     """Changes of one open transaction; spills to a temp file past a byte budget."""
 
     def __init__(self, spill_bytes: int, spill_dir: str | None) -> None:
@@ -269,7 +269,7 @@ class _ChangeBuffer:
 class _OpenTransaction:
     xid: int
     first_lsn: int
-    buffer: _ChangeBuffer
+    buffer: ChangeBuffer
     origin: str | None = None
     origin_lsn: int | None = None
     gid: str | None = None
@@ -393,7 +393,7 @@ class Assembler:
     # -- message handling --------------------------------------------------------------------
 
     def _new_transaction(self, xid: int, lsn: int, kind: str) -> _OpenTransaction:
-        return _OpenTransaction(xid, lsn, _ChangeBuffer(self.spill_bytes, self.spill_dir), kind=kind)
+        return _OpenTransaction(xid, lsn, ChangeBuffer(self.spill_bytes, self.spill_dir), kind=kind)
 
     def _open_for_change(self, xid: int | None) -> _OpenTransaction:
         if self._stream_xid is not None:
@@ -522,7 +522,7 @@ class Assembler:
             raise AssemblyError(f"Stream Start while transaction {self._current.xid} is open")
         txn = self._streamed.get(msg.xid)
         if txn is None:
-            txn = _OpenTransaction(msg.xid, raw.lsn, _ChangeBuffer(self.spill_bytes, self.spill_dir),
+            txn = _OpenTransaction(msg.xid, raw.lsn, ChangeBuffer(self.spill_bytes, self.spill_dir),
                                    kind="streamed")
             self._streamed[msg.xid] = txn
         self._stream_xid = msg.xid

@@ -28,14 +28,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
+from cdc_apply.apply.options import MAX_PIECE_BYTES
 from cdc_apply.apply.targets import write_json_atomically
-from cdc_apply.assemble import SpilledChanges, Transaction
+from cdc_apply.assemble import DEFAULT_SPILL_BYTES, ChangeBuffer, SpilledChanges, Transaction
 from cdc_apply.changelog import ChangeLog
-from cdc_apply.config import Config
+from cdc_apply.config import BatchingConfig, Config
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.sink import RunSummary
@@ -80,14 +82,19 @@ def transaction_windows(per_transaction: list[tuple[int, int]], max_changes: int
     """(first commit LSN, last commit LSN, rows) of consecutive transactions, about ``max_changes``
     rows each; a larger transaction is a window of its own."""
     windows: list[tuple[int, int, int]] = []
-    start, rows = None, 0
-    for index, (lsn, count) in enumerate(per_transaction):
+    start, end, rows = None, 0, 0
+    for lsn, count in per_transaction:
+        if start is not None and count > max_changes:  # the window so far, then this one alone
+            windows.append((start, end, rows))
+            start, rows = None, 0
         if start is None:
             start = lsn
-        rows += count
-        if rows >= max_changes or index == len(per_transaction) - 1:
-            windows.append((start, lsn, rows))
+        end, rows = lsn, rows + count
+        if rows >= max_changes:
+            windows.append((start, end, rows))
             start, rows = None, 0
+    if start is not None:
+        windows.append((start, end, rows))
     return windows
 
 
@@ -95,11 +102,15 @@ class ChangeLogApplier:
     """Applies the change log's transactions to the targets of ``applier``'s warehouse."""
 
     def __init__(self, changelog: ChangeLog, applier: BatchApplier, *, max_changes: int,
-                 position: AppliedPosition | None = None, applied: Applied | None = None) -> None:
-        """``position``: where ``catch_up`` starts and what it records; ``applied``: told each window."""
+                 position: AppliedPosition | None = None, applied: Applied | None = None,
+                 spill_bytes: int = DEFAULT_SPILL_BYTES) -> None:
+        """``position``: where ``catch_up`` starts and what it records; ``applied``: told each window;
+        ``spill_bytes``: a transaction larger than a window goes to disk past this, as in the stream."""
         self.changelog = changelog
         self.applier = applier
         self.max_changes = max_changes
+        self.spill_bytes = spill_bytes
+        self.piece_bytes = min(MAX_PIECE_BYTES, spill_bytes)
         self.position = position
         self.applied = applied
 
@@ -114,7 +125,10 @@ class ChangeLogApplier:
             if stopping is not None and stopping.is_set():
                 break
             window = frame.where((frame["commit_lsn"] >= first) & (frame["commit_lsn"] <= last))
-            transactions, parsed = micro_batch_changes(window.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
+            if first == last and rows > self.max_changes:  # one large transaction: read in pieces, never whole
+                transactions, parsed = [self._spilled(window)], None
+            else:
+                transactions, parsed = micro_batch_changes(window.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
             result = self.applier.apply(transactions, parsed=parsed)
             results.append(result)
             if self.position is not None:
@@ -124,6 +138,34 @@ class ChangeLogApplier:
             if advance is not None:
                 advance(rows)
         return results
+
+    def _spilled(self, window: DataFrame) -> Transaction:
+        """The one transaction of ``window``, read from the log a piece at a time (by its changes'
+        ``seq``) into a spill file, as the stream spills a large one: the applier takes it as it takes
+        a spilled transaction from the slot, and neither the JVM nor Python holds its rows together
+        (collected whole, a 256 MB update ran a 4 GB driver JVM out of heap)."""
+        from pyspark.sql import functions as F
+
+        low, high, message_bytes = window.agg(F.min("seq"), F.max("seq"), F.sum(F.length("_cdc_change"))).collect()[0]
+        # Pieces of about piece_bytes of messages (as the log was appended), by the changes' seq, which
+        # a transaction numbers densely: the rows' text images come on top, so a piece of max_changes
+        # rows of 1 KB changes (400 MB through the JVM) once lost its task result to memory pressure.
+        span = high - low + 1
+        step = max(1, min(self.max_changes, span * self.piece_bytes // max(1, message_bytes or 0)))
+        buffer = ChangeBuffer(self.spill_bytes, None)
+        head: Transaction | None = None
+        for start in range(low, high + 1, step):
+            piece = window.where((window["seq"] >= start) & (window["seq"] < start + step))
+            for transaction in micro_batch_changes(piece.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())[0]:
+                head = head or transaction
+                for change in transaction.changes:
+                    buffer.append(change, len(change.wire or b""))
+        assert head is not None, "a window holds at least one row"
+        changes = buffer.finish()
+        log.info("change log: the transaction committed at %s (%d changes) read in pieces of %d rows%s",
+                 format_lsn(head.commit_lsn), len(changes), step,
+                 ", spilled to disk" if isinstance(changes, SpilledChanges) else "")
+        return replace(head, changes=changes)
 
     def apply_logged(self, transactions: list[Transaction]) -> BatchResult | None:
         """Transactions the log holds, handed over in memory by the stream right after it appended them
@@ -273,7 +315,7 @@ def targets_follow_elsewhere(config: Config) -> Callable[[list[Transaction]], No
 
 
 def targets_from_changelog(changelog: ChangeLog, stream_applier: BatchApplier, summary: RunSummary,
-                           max_changes: int) -> ChangeLogApplier:
+                           batching: BatchingConfig) -> ChangeLogApplier:
     """The applier that brings ``stream_applier``'s targets up to date from ``changelog`` under
     ``confirm_after: changelog``, in a Spark session of its own; each window it applies is recorded
     in ``summary`` (commit -> target lag) and its metrics."""
@@ -282,6 +324,6 @@ def targets_from_changelog(changelog: ChangeLog, stream_applier: BatchApplier, s
         if summary.metrics is not None and result.last_lsn is not None:
             summary.metrics.targets_applied(result.last_lsn)
 
-    return ChangeLogApplier(changelog, stream_applier.in_new_session(), max_changes=max_changes,
+    return ChangeLogApplier(changelog, stream_applier.in_new_session(), max_changes=batching.max_changes,
                             position=AppliedPosition(stream_applier.options.warehouse, stream_applier.options.pipeline),
-                            applied=applied)
+                            applied=applied, spill_bytes=batching.spill_bytes)

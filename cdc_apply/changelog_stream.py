@@ -66,7 +66,8 @@ def start_changelog_stream(config: Config, spark: SparkSession, *, once: bool = 
     summary = RunSummary()
     from_log = ChangeLogApplier(changelog, applier, max_changes=config.batching.max_changes,
                                 position=AppliedPosition(config.target.warehouse, config.pipeline),
-                                applied=lambda result, transactions: summary.record(result, transactions))
+                                applied=lambda result, transactions: summary.record(result, transactions),
+                                spill_bytes=config.batching.spill_bytes)
 
     def apply_micro_batch(frame: DataFrame, batch_id: int) -> None:
         grown_to = frame.agg({"commit_lsn": "max"}).collect()[0][0]

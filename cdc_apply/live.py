@@ -79,7 +79,7 @@ class LiveReplicator:
         if self.changelog is not None and config.changelog.confirm_after == "changelog" and \
                 config.changelog.targets == "in_process":
             self.follower = TargetFollower(targets_from_changelog(self.changelog, self.applier, self.summary,
-                                                                  config.batching.max_changes))
+                                                                  config.batching))
         self.sink = DeltaSink(self.applier, self.summary, self.snapshotter, self.changelog,
                               self.follower.logged if self.follower is not None else targets_follow_elsewhere(config))
         self.confirmed = 0

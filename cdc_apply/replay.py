@@ -55,7 +55,8 @@ def replay_changelog(spark: SparkSession, config: Config, options: ApplyOptions,
     if changelog.trimmed_through is not None:
         _refuse_tables_trimmed_past(spark, options, changelog, frame)
     # No live source: the ADD COLUMN DEFAULT backfill is skipped.
-    applier = ChangeLogApplier(changelog, BatchApplier(spark, options), max_changes=max_changes)
+    applier = ChangeLogApplier(changelog, BatchApplier(spark, options), max_changes=max_changes,
+                               spill_bytes=config.batching.spill_bytes)
     with progress("replay of the change log", None, unit="changes") as advance:
         return applier.apply(frame, advance)
 

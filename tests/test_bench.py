@@ -48,10 +48,14 @@ def test_bench_e2e_reports_lag_and_catch_up_against_delivery_with_and_without_th
 
 
 def test_bench_memory_reports_the_peak_rss_of_a_large_streamed_transaction() -> None:
-    run = _cli("bench", "memory", "--megabytes", "20")
+    """The update variant under ``confirm_after: changelog``: the slot confirmed at the log, then the
+    targets' MERGE from the log (the insert-only pieces: test_large_transactions.py)."""
+    run = _cli("bench", "memory", "--megabytes", "10", "--updates", "--changelog")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    # 20 MB stays under batching.spill_bytes: written whole (larger ones go in pieces, test_large_transactions.py)
-    assert re.search(r"applied in [0-9.]+ s \(append, columnar\)", run.stdout), run.stdout[-3000:]
+    assert "one transaction that updates every row and deletes a tenth of 10,485 rows" in run.stdout
+    confirmed = re.search(r"slot confirmed \(the change log holds it\) in ([0-9.]+) s", run.stdout)
+    applied = re.search(r"applied in ([0-9.]+) s \(merge, columnar\)", run.stdout)
+    assert confirmed and applied and float(applied[1]) >= float(confirmed[1]) > 0, run.stdout[-3000:]
     peak = re.search(r"peak RSS: Python driver ([0-9,]+) MB \(before the transaction ([0-9,]+) MB", run.stdout)
     assert peak and int(peak[1].replace(",", "")) >= int(peak[2].replace(",", "")) > 0, run.stdout[-3000:]
 

@@ -6,6 +6,7 @@ and targets ahead of the log, are refused with the place named."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from dataclasses import replace
@@ -17,7 +18,7 @@ from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import Target
 from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.changelog import ChangeLog, ChangeLogError
-from cdc_apply.changelog_apply import AppliedPosition
+from cdc_apply.changelog_apply import AppliedPosition, transaction_windows
 from cdc_apply.cli import build_parser
 from cdc_apply.changelog_stream import start_changelog_stream
 from cdc_apply.config import ConfigError, parse_config
@@ -218,9 +219,16 @@ def test_follow_changelog_keeps_the_targets_current_as_a_separate_streaming_job(
             start_changelog_stream(in_process, spark)
 
 
-def test_a_spilled_transaction_goes_to_the_change_log_in_pieces(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_windows_of_the_log_keep_a_transaction_larger_than_a_window_alone() -> None:
+    assert transaction_windows([(1, 10), (2, 10), (3, 500), (4, 10)], 100) == [(1, 2, 20), (3, 3, 500), (4, 4, 10)]
+    assert transaction_windows([(1, 60), (2, 60), (3, 10)], 100) == [(1, 2, 120), (3, 3, 10)]
+    assert transaction_windows([(5, 100)], 100) == [(5, 5, 100)] and transaction_windows([], 100) == []
+
+
+def test_a_spilled_transaction_goes_to_the_change_log_in_pieces(db18, spark, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     """A transaction past ``batching.spill_bytes`` (inserts, updates and deletes) is appended to the log
-    a piece at a time, in one commit, each change once; a rebuild from the log equals PostgreSQL."""
+    a piece at a time, in one commit, each change once; a rebuild from the log, which reads it back
+    in pieces too (it is larger than a window) into a spill file, equals PostgreSQL."""
     server, dbname = db18
     conninfo = server.conninfo(dbname)
     warehouse = str(tmp_path / "wh")
@@ -243,7 +251,13 @@ def test_a_spilled_transaction_goes_to_the_change_log_in_pieces(db18, spark, tmp
         assert history.count() == 1  # the pieces in one commit
         assert_delta_equals_postgres(spark, conn, warehouse)
         rebuilt = str(tmp_path / "rebuilt")
-        replay_changelog(spark, config, replace(apply_options(config), warehouse=rebuilt))
+        caplog.set_level(logging.INFO, logger="cdc_apply.changelog_apply")
+        results = replay_changelog(spark, config, replace(apply_options(config), warehouse=rebuilt), max_changes=1000)
+        assert [r.transactions for r in results] == [1]
+        # Pieces of about spill_bytes (64 kB) of messages each, at most a window (1000 rows).
+        pieces = re.search(r"the transaction committed at \S+ \(8857 changes\) read in pieces of (\d+) rows, "
+                           r"spilled to disk", caplog.text)
+        assert pieces and 0 < int(pieces[1]) < 1000, caplog.text[-2000:]
         columns = TABLES["public.accounts"]
         assert delta_rows(spark, f"{rebuilt}/public/accounts", columns, source_types(conn, "public.accounts")) == \
             postgres_rows(conn, "public.accounts", columns)

@@ -25,7 +25,7 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     if name == "memory":
         from cdc_apply.bench.memory import bench_memory
 
-        bench_memory(megabytes=args.megabytes)
+        bench_memory(megabytes=args.megabytes, updates=args.updates, changelog=args.changelog)
         return 0
     if name == "soak":
         from cdc_apply.bench.soak import bench_soak
