@@ -57,7 +57,7 @@ def replay_changelog(spark: SparkSession, config: Config, options: ApplyOptions,
     # No live source: the ADD COLUMN DEFAULT backfill is skipped.
     applier = ChangeLogApplier(changelog, BatchApplier(spark, options), max_changes=max_changes,
                                spill_bytes=config.batching.spill_bytes)
-    with progress("replay of the change log", None, unit="changes") as advance:
+    with progress("replay of the change log", frame.count(), unit="changes") as advance:
         return applier.apply(frame, advance)
 
 
