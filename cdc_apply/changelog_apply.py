@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -78,23 +78,35 @@ class AppliedPosition:
         write_json_atomically(self.path, {**self._entries(), self.pipeline: format_lsn(lsn)})
 
 
-def transaction_windows(per_transaction: list[tuple[int, int]], max_changes: int) -> list[tuple[int, int, int]]:
-    """(first commit LSN, last commit LSN, rows) of consecutive transactions, about ``max_changes``
-    rows each; a larger transaction is a window of its own."""
-    windows: list[tuple[int, int, int]] = []
-    start, end, rows = None, 0, 0
-    for lsn, count in per_transaction:
-        if start is not None and count > max_changes:  # the window so far, then this one alone
-            windows.append((start, end, rows))
-            start, rows = None, 0
+@dataclass(frozen=True)
+class Window:
+    """Consecutive transactions of the log, applied together."""
+
+    first_lsn: int
+    last_lsn: int
+    rows: int
+    message_bytes: int  # of the changes' messages (``_cdc_change``)
+
+
+def transaction_windows(per_transaction: list[tuple[int, int, int]], max_changes: int, max_bytes: int) -> list[Window]:
+    """Windows of about ``max_changes`` rows or ``max_bytes`` of messages, whichever comes first, from
+    (commit LSN, rows, message bytes) per transaction: a transaction past ``max_bytes`` is a window
+    of its own (it is read in pieces). Whole transactions only, so a window may pass either bound."""
+    windows: list[Window] = []
+    start, end, rows, size = None, 0, 0, 0
+    for lsn, count, nbytes in per_transaction:
+        alone = nbytes > max_bytes
+        if start is not None and alone:  # the window so far, then this one
+            windows.append(Window(start, end, rows, size))
+            start, rows, size = None, 0, 0
         if start is None:
             start = lsn
-        end, rows = lsn, rows + count
-        if rows >= max_changes:
-            windows.append((start, end, rows))
-            start, rows = None, 0
+        end, rows, size = lsn, rows + count, size + nbytes
+        if rows >= max_changes or size >= max_bytes:
+            windows.append(Window(start, end, rows, size))
+            start, rows, size = None, 0, 0
     if start is not None:
-        windows.append((start, end, rows))
+        windows.append(Window(start, end, rows, size))
     return windows
 
 
@@ -118,17 +130,24 @@ class ChangeLogApplier:
               stopping: threading.Event | None = None) -> list[BatchResult]:
         """``frame``'s transactions (rows of the log), window by window in commit order; when
         ``stopping`` is set, none after the window being applied."""
-        per_transaction = frame.groupBy("commit_lsn").count().orderBy("commit_lsn").collect()
+        from pyspark.sql import functions as F
+
+        per_transaction = frame.groupBy("commit_lsn").agg(F.count("*"), F.sum(F.length("_cdc_change"))) \
+            .orderBy("commit_lsn").collect()
+        # A window's rows go through the JVM and Python together, their text images on top of the
+        # messages: windows end at spill_bytes of messages too. A transaction past that is read in
+        # pieces into a spill file, as the stream spills one; below it, held whole, as the stream holds it.
         results = []
-        for first, last, rows in transaction_windows([(r["commit_lsn"], r["count"]) for r in per_transaction],
-                                                     self.max_changes):
+        for window in transaction_windows([(lsn, rows, nbytes or 0) for lsn, rows, nbytes in per_transaction],
+                                          self.max_changes, self.spill_bytes):
             if stopping is not None and stopping.is_set():
                 break
-            window = frame.where((frame["commit_lsn"] >= first) & (frame["commit_lsn"] <= last))
-            if first == last and rows > self.max_changes:  # one large transaction: read in pieces, never whole
-                transactions, parsed = [self._spilled(window)], None
+            first, last, rows = window.first_lsn, window.last_lsn, window.rows
+            frame_of = frame.where((frame["commit_lsn"] >= first) & (frame["commit_lsn"] <= last))
+            if first == last and window.message_bytes > self.spill_bytes:
+                transactions, parsed = [self._spilled(frame_of, window.message_bytes)], None
             else:
-                transactions, parsed = micro_batch_changes(window.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
+                transactions, parsed = micro_batch_changes(frame_of.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
             result = self.applier.apply(transactions, parsed=parsed)
             results.append(result)
             if self.position is not None:
@@ -139,19 +158,19 @@ class ChangeLogApplier:
                 advance(rows)
         return results
 
-    def _spilled(self, window: DataFrame) -> Transaction:
+    def _spilled(self, window: DataFrame, message_bytes: int) -> Transaction:
         """The one transaction of ``window``, read from the log a piece at a time (by its changes'
         ``seq``) into a spill file, as the stream spills a large one: the applier takes it as it takes
         a spilled transaction from the slot, and neither the JVM nor Python holds its rows together
         (collected whole, a 256 MB update ran a 4 GB driver JVM out of heap)."""
         from pyspark.sql import functions as F
 
-        low, high, message_bytes = window.agg(F.min("seq"), F.max("seq"), F.sum(F.length("_cdc_change"))).collect()[0]
+        low, high = window.agg(F.min("seq"), F.max("seq")).collect()[0]
         # Pieces of about piece_bytes of messages (as the log was appended), by the changes' seq, which
         # a transaction numbers densely: the rows' text images come on top, so a piece of max_changes
         # rows of 1 KB changes (400 MB through the JVM) once lost its task result to memory pressure.
         span = high - low + 1
-        step = max(1, min(self.max_changes, span * self.piece_bytes // max(1, message_bytes or 0)))
+        step = max(1, min(self.max_changes, span * self.piece_bytes // max(1, message_bytes)))
         buffer = ChangeBuffer(self.spill_bytes, None)
         head: Transaction | None = None
         for start in range(low, high + 1, step):

@@ -219,16 +219,21 @@ def test_follow_changelog_keeps_the_targets_current_as_a_separate_streaming_job(
             start_changelog_stream(in_process, spark)
 
 
-def test_windows_of_the_log_keep_a_transaction_larger_than_a_window_alone() -> None:
-    assert transaction_windows([(1, 10), (2, 10), (3, 500), (4, 10)], 100) == [(1, 2, 20), (3, 3, 500), (4, 4, 10)]
-    assert transaction_windows([(1, 60), (2, 60), (3, 10)], 100) == [(1, 2, 120), (3, 3, 10)]
-    assert transaction_windows([(5, 100)], 100) == [(5, 5, 100)] and transaction_windows([], 100) == []
+def test_windows_of_the_log_end_at_max_changes_or_max_bytes_and_keep_a_spilling_transaction_alone() -> None:
+    def cut(per_transaction: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        return [(w.first_lsn, w.last_lsn, w.rows) for w in transaction_windows(per_transaction, 100, 1000)]
+
+    assert cut([(1, 10, 0), (2, 10, 0), (3, 500, 0), (4, 10, 0)]) == [(1, 3, 520), (4, 4, 10)]
+    assert cut([(1, 60, 0), (2, 60, 0), (3, 10, 0)]) == [(1, 2, 120), (3, 3, 10)]
+    assert cut([(1, 10, 600), (2, 10, 600), (3, 10, 10)]) == [(1, 2, 20), (3, 3, 10)]  # 1,200 bytes
+    assert cut([(1, 10, 10), (2, 5, 5000), (3, 10, 10)]) == [(1, 1, 10), (2, 2, 5), (3, 3, 10)]  # few rows, many bytes
+    assert cut([(5, 100, 0)]) == [(5, 5, 100)] and cut([]) == []
 
 
 def test_a_spilled_transaction_goes_to_the_change_log_in_pieces(db18, spark, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     """A transaction past ``batching.spill_bytes`` (inserts, updates and deletes) is appended to the log
     a piece at a time, in one commit, each change once; a rebuild from the log, which reads it back
-    in pieces too (it is larger than a window) into a spill file, equals PostgreSQL."""
+    in pieces too (it is past spill_bytes) into a spill file, equals PostgreSQL."""
     server, dbname = db18
     conninfo = server.conninfo(dbname)
     warehouse = str(tmp_path / "wh")
