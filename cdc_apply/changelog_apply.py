@@ -117,7 +117,8 @@ class ChangeLogApplier:
                  position: AppliedPosition | None = None, applied: Applied | None = None,
                  spill_bytes: int = DEFAULT_SPILL_BYTES) -> None:
         """``position``: where ``catch_up`` starts and what it records; ``applied``: told each window;
-        ``spill_bytes``: a transaction larger than a window goes to disk past this, as in the stream."""
+        ``spill_bytes``: windows end at this many bytes of messages, and a transaction past it is read
+        in pieces into a spill file, as the stream spills one."""
         self.changelog = changelog
         self.applier = applier
         self.max_changes = max_changes
