@@ -127,20 +127,24 @@ class ChangeLogApplier:
         self.position = position
         self.applied = applied
 
-    def apply(self, frame: DataFrame, advance: Callable[[int], None] | None = None,
-              stopping: threading.Event | None = None) -> list[BatchResult]:
-        """``frame``'s transactions (rows of the log), window by window in commit order; when
-        ``stopping`` is set, none after the window being applied."""
+    def windows(self, frame: DataFrame) -> list[Window]:
+        """``frame``'s transactions (rows of the log) cut into windows, in commit order. A window's rows
+        go through the JVM and Python together, their text images on top of the messages: windows end
+        at spill_bytes of messages too. A transaction past that is read in pieces into a spill file, as
+        the stream spills one; below it, it is held whole, as the stream holds it."""
         from pyspark.sql import functions as F
 
         per_transaction = frame.groupBy("commit_lsn").agg(F.count("*"), F.sum(F.length("_cdc_change"))) \
             .orderBy("commit_lsn").collect()
-        # A window's rows go through the JVM and Python together, their text images on top of the
-        # messages: windows end at spill_bytes of messages too. A transaction past that is read in
-        # pieces into a spill file, as the stream spills one; below it, held whole, as the stream holds it.
+        return transaction_windows([(lsn, rows, nbytes or 0) for lsn, rows, nbytes in per_transaction],
+                                   self.max_changes, self.spill_bytes)
+
+    def apply(self, frame: DataFrame, advance: Callable[[int], None] | None = None,
+              stopping: threading.Event | None = None, windows: list[Window] | None = None) -> list[BatchResult]:
+        """``frame``'s transactions, window by window (``windows``, default ``self.windows(frame)``);
+        when ``stopping`` is set, none after the window being applied."""
         results = []
-        for window in transaction_windows([(lsn, rows, nbytes or 0) for lsn, rows, nbytes in per_transaction],
-                                          self.max_changes, self.spill_bytes):
+        for window in self.windows(frame) if windows is None else windows:
             if stopping is not None and stopping.is_set():
                 break
             first, last, rows = window.first_lsn, window.last_lsn, window.rows
@@ -328,10 +332,7 @@ class TargetFollower:
 def targets_follow_elsewhere(config: Config) -> Callable[[list[Transaction]], None] | None:
     """For ``DeltaSink``: under ``changelog.targets: separate`` a batch is done once the log holds it
     (``cdc-apply follow-changelog`` applies it to the targets); else None (the caller decides)."""
-    settings = config.changelog
-    if settings.enabled and settings.confirm_after == "changelog" and settings.targets == "separate":
-        return lambda batch: None
-    return None
+    return (lambda batch: None) if config.changelog.follower == "separate" else None
 
 
 def targets_from_changelog(changelog: ChangeLog, stream_applier: BatchApplier, summary: RunSummary,

@@ -54,7 +54,7 @@ def start_changelog_stream(config: Config, spark: SparkSession, *, once: bool = 
     the query's). ``once``: everything the log holds now, then the query ends (``availableNow``);
     else a trigger every ``stream.interval_seconds``. ``query.summary`` (a ``RunSummary``) counts
     the windows applied and their commit -> target lag."""
-    if not config.changelog.enabled or config.changelog.targets != "separate":
+    if config.changelog.follower != "separate":
         raise ConfigError("changelog.targets: cdc-apply follow-changelog brings the targets up from the change log "
                           "only when the pipeline's run leaves that to it (changelog.enabled: true, confirm_after: "
                           "changelog, targets: separate); two writers would fight over the targets' commits")

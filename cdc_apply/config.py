@@ -248,6 +248,11 @@ class ChangelogConfig(_Strict):
     # only copies new tables and appends to the log.
     targets: Literal["in_process", "separate"] = "in_process"
 
+    @property
+    def follower(self) -> Literal["in_process", "separate"] | None:
+        """Who brings the targets up from the log; None when the run applies every batch itself."""
+        return self.targets if self.enabled and self.confirm_after == "changelog" else None
+
     @model_validator(mode="after")
     def _one_place(self) -> ChangelogConfig:
         if self.path is not None and self.name is not None:

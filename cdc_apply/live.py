@@ -76,8 +76,7 @@ class LiveReplicator:
         self.summary = RunSummary(metrics=self.metrics)
         self.changelog = enabled_changelog(spark, config)
         self.follower: TargetFollower | None = None
-        if self.changelog is not None and config.changelog.confirm_after == "changelog" and \
-                config.changelog.targets == "in_process":
+        if self.changelog is not None and config.changelog.follower == "in_process":
             self.follower = TargetFollower(targets_from_changelog(self.changelog, self.applier, self.summary,
                                                                   config.batching))
         self.sink = DeltaSink(self.applier, self.summary, self.snapshotter, self.changelog,

@@ -108,8 +108,7 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
         summary.snapshots += snapshotter.sync()
         changelog = enabled_changelog(spark, config)
         from_log = None
-        if changelog is not None and config.changelog.confirm_after == "changelog" and \
-                config.changelog.targets == "in_process":
+        if changelog is not None and config.changelog.follower == "in_process":
             from_log = targets_from_changelog(changelog, applier, summary, config.batching)
         # confirm_after: changelog: the batches only go to the log; the targets follow at the end (in_process),
         # or cdc-apply follow-changelog brings them up (separate).

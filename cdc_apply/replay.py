@@ -57,8 +57,9 @@ def replay_changelog(spark: SparkSession, config: Config, options: ApplyOptions,
     # No live source: the ADD COLUMN DEFAULT backfill is skipped.
     applier = ChangeLogApplier(changelog, BatchApplier(spark, options), max_changes=max_changes,
                                spill_bytes=config.batching.spill_bytes)
-    with progress("replay of the change log", frame.count(), unit="changes") as advance:
-        return applier.apply(frame, advance)
+    windows = applier.windows(frame)
+    with progress("replay of the change log", sum(w.rows for w in windows), unit="changes") as advance:
+        return applier.apply(frame, advance, windows=windows)
 
 
 def _refuse_tables_trimmed_past(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog,
