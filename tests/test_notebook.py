@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 
 import nbformat
+import pyarrow as pa
+from deltalake import DeltaTable
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "replay_captured_batch.ipynb"
@@ -50,5 +52,9 @@ def test_replay_notebook_executes_and_writes_delta(tmp_path, monkeypatch, spark)
     rebuilt, logged = rebuilt.select(*source_columns), logged.select(*source_columns)
     assert rebuilt.exceptAll(logged).count() == 0 and logged.exceptAll(rebuilt).count() == 0
     assert sorted(r["id"] for r in rebuilt.collect()) == [1, 3]
+    by_delta_rs = pa.RecordBatchReader.from_stream(DeltaTable(f"{tmp_path}/rebuilt/public/customers").scan(
+        columns=source_columns)).read_all()  # a second Delta reader
+    assert sorted(by_delta_rs.to_pylist(), key=lambda row: row["id"]) == \
+        [row.asDict() for row in rebuilt.orderBy("id").collect()]
     assert re.search(r"customers as of [0-9A-F]+/[0-9A-F]+: \[1, 20\]", outputs), outputs[-2000:]
     assert not os.path.exists(f"{tmp_path}/as_of/public/orders")
