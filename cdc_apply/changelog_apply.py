@@ -27,24 +27,29 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cdc_apply.apply.batch import BatchApplier, BatchResult
+from cdc_apply.apply.batch import BatchApplier, BatchResult, TableResult
+from cdc_apply.apply.plan import Versioning
 from cdc_apply.apply.options import MAX_PIECE_BYTES
 from cdc_apply.apply.targets import write_json_atomically
 from cdc_apply.assemble import DEFAULT_SPILL_BYTES, ChangeBuffer, SpilledChanges, Transaction
 from cdc_apply.changelog import ChangeLog
 from cdc_apply.config import BatchingConfig, Config
 from cdc_apply.errors import CdcApplyError
-from cdc_apply.lsn import format_lsn, parse_lsn
+from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn, parse_lsn
 from cdc_apply.sink import RunSummary
-from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, micro_batch_changes
+from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, micro_batch_changes, relation_of
+from cdc_apply.spark.log_collapse import REFUSED, collapse_on_executors, groups_for
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import DataFrame, Row
+
+    from cdc_apply.changerows.codec import PortableCodec
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +155,10 @@ class ChangeLogApplier:
             first, last, rows = window.first_lsn, window.last_lsn, window.rows
             frame_of = frame.where((frame["commit_lsn"] >= first) & (frame["commit_lsn"] <= last))
             if first == last and window.message_bytes > self.spill_bytes:
-                transactions, parsed = [self._spilled(frame_of, window.message_bytes)], None
+                result, transactions = self._large_transaction(frame_of)
             else:
                 transactions, parsed = micro_batch_changes(frame_of.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
-            result = self.applier.apply(transactions, parsed=parsed)
+                result = self.applier.apply(transactions, parsed=parsed)
             results.append(result)
             if self.position is not None:
                 self.position.write(last)
@@ -162,6 +167,64 @@ class ChangeLogApplier:
             if advance is not None:
                 advance(rows)
         return results
+
+    def _large_transaction(self, window: DataFrame) -> tuple[BatchResult, list[Transaction]]:
+        """The one transaction of ``window``, past spill_bytes. Each table with updates or deletes under
+        one Relation definition is collapsed and merged by Spark (``spark/log_collapse.py``), its rows
+        never on the driver; the other tables (inserts only: appended in pieces; a schema change, a
+        truncate, a table the executors' collapse refuses) are read in pieces into a spill file and
+        applied as the stream applies a spilled transaction (``_spilled``)."""
+        from pyspark.sql import functions as F
+
+        started = time.perf_counter()
+        tables = window.groupBy("relation_oid").agg(
+            F.count_distinct("_cdc_relation").alias("definitions"), F.first("_cdc_relation").alias("relation"),
+            *(F.count_if(F.col("op") == op).alias(op) for op in "IUDT"),
+            F.sum(F.length("_cdc_change")).alias("message_bytes"), F.first("xid").alias("xid"),
+            F.first("end_lsn").alias("end_lsn"), F.unix_micros(F.first("commit_ts")).alias("commit_us"),
+            F.first("origin").alias("origin"), F.first("commit_lsn").alias("commit_lsn")).collect()
+        head = tables[0]
+        lsn = head["commit_lsn"]
+        transaction = Transaction(head["xid"], lsn, head["end_lsn"], head["commit_us"] - PG_EPOCH_OFFSET_US, [],
+                                  origin=head["origin"])
+        applied: list[TableResult] = []
+        on_driver: list[int] = []
+        for table in tables:
+            result = None
+            if table["definitions"] == 1 and not table["T"] and (table["U"] or table["D"]):
+                result = self._on_executors(window.where(F.col("relation_oid") == table["relation_oid"]), table, lsn)
+            if result is None:
+                on_driver.append(table["relation_oid"])
+            else:
+                applied.append(result)
+        if on_driver:
+            rest = window.where(F.col("relation_oid").isin(on_driver))
+            message_bytes = sum(t["message_bytes"] or 0 for t in tables if t["relation_oid"] in on_driver)
+            spilled = self._spilled(rest, message_bytes)
+            transaction = replace(spilled, changes=[])
+            applied += self.applier.apply([spilled]).tables
+        return BatchResult(1, lsn, lsn, applied, time.perf_counter() - started), [transaction]
+
+    def _on_executors(self, rows: DataFrame, table: Row, lsn: int) -> TableResult | None:
+        """One table's rows of a large transaction collapsed and merged by Spark; None when the driver
+        must apply them (the applier declines the table, or the executors' collapse refused a group:
+        the MERGE failed, so nothing was committed)."""
+        relation = relation_of(table["relation"], lsn)
+        groups = groups_for(table["message_bytes"] or 0, rows.sparkSession.sparkContext.defaultParallelism)
+
+        def collapse(codec: PortableCodec, column_map: dict[str, str | None], keys: tuple[str, ...],
+                     data_types: dict[str, str], after: int | None) -> DataFrame:
+            return collapse_on_executors(rows, codec, column_map, keys, data_types, after, groups)
+
+        counts = Counter({op: table[op] for op in "IUD" if table[op]})
+        try:
+            return self.applier.apply_table_collapsed_by(relation, Versioning(lsn), collapse, counts, lsn, lsn)
+        except Exception as exc:  # noqa: BLE001 - the MERGE is atomic: the driver's apply takes over
+            reason = str(exc).strip().splitlines()
+            log.warning("%s.%s at %s: collapsing on the executors failed, applying it on the driver: %s",
+                        relation.namespace, relation.name, format_lsn(lsn),
+                        next((line for line in reason if REFUSED in line), reason[0] if reason else type(exc).__name__))
+            return None
 
     def _spilled(self, window: DataFrame, message_bytes: int) -> Transaction:
         """The one transaction of ``window``, read from the log a piece at a time (by its changes'

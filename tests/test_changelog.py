@@ -266,3 +266,43 @@ def test_a_spilled_transaction_goes_to_the_change_log_in_pieces(db18, spark, tmp
         columns = TABLES["public.accounts"]
         assert delta_rows(spark, f"{rebuilt}/public/accounts", columns, source_types(conn, "public.accounts")) == \
             postgres_rows(conn, "public.accounts", columns)
+
+
+def test_a_large_update_transaction_is_collapsed_by_spark_from_the_change_log(db18, spark, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Under ``confirm_after: changelog``, a transaction past ``spill_bytes`` that updates and deletes
+    rows of existing targets is collapsed per key by Spark's executors (``spark/log_collapse.py``),
+    TOAST carried forward and keys changed; one that moves a row with an unchanged TOAST value to
+    another key is refused there and applied on the driver. Both end equal to PostgreSQL."""
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    config = parse_config({"pipeline": "executors", "source": {"dsn": conninfo, "slot": "executors", "publication": "load"},
+                           "target": {"warehouse": warehouse}, "batching": {"spill_bytes": 64 * 1024},
+                           "changelog": {"enabled": True, "confirm_after": "changelog"}})
+    big_note = "(SELECT string_agg(md5(random()::text || i), '') FROM generate_series(1, 80) i)"  # TOASTed
+    caplog.set_level(logging.INFO, logger="cdc_apply")
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        create_schema(conn, "load")
+        conn.execute(f"INSERT INTO accounts SELECT g, 'owner ' || g, g, CASE WHEN g % 5 = 0 THEN {big_note} END, "
+                     "now() FROM generate_series(1, 3000) g")
+        drain(config, spark)  # the copy: the targets exist before the transactions below
+        with conn.transaction():
+            conn.execute("UPDATE accounts SET balance = balance + 1 WHERE id % 3 = 0")  # notes unchanged TOAST
+            conn.execute("DELETE FROM accounts WHERE id % 7 = 0")
+            conn.execute("UPDATE accounts SET id = id + 100000 WHERE id % 11 = 0 AND note IS NULL")  # moved rows
+            conn.execute("INSERT INTO accounts SELECT g, 'new ' || g, g, NULL, now() FROM generate_series(5001, 5400) g")
+            conn.execute("UPDATE accounts SET owner = owner || ' again', balance = balance * 2 WHERE id % 2 = 0")
+            conn.execute("DELETE FROM accounts WHERE id BETWEEN 5001 AND 5100")
+            conn.execute("INSERT INTO ledger SELECT g, 1, g, 1 FROM generate_series(1, 50) g")
+        drain(config, spark)
+        assert re.search(r"public\.accounts: .* \(merge, collapsed by Spark\)", caplog.text), caplog.text[-3000:]
+        assert "collapsing on the executors failed" not in caplog.text
+        assert_delta_equals_postgres(spark, conn, warehouse)
+        caplog.clear()
+        with conn.transaction():  # rows with an unchanged TOAST value moved to new keys: the driver's collapse
+            conn.execute("UPDATE accounts SET id = id + 200000, balance = 0 WHERE id % 5 = 0 AND note IS NOT NULL")
+            conn.execute("UPDATE accounts SET balance = balance - 1 WHERE id < 3000")
+        drain(config, spark)
+        assert "public.accounts at" in caplog.text and "collapsing on the executors failed" in caplog.text
+        assert "refused a group of public.accounts" in caplog.text, caplog.text[-3000:]
+        assert_delta_equals_postgres(spark, conn, warehouse)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING
@@ -35,7 +36,7 @@ from cdc_apply.apply.merge import fetch_target_rows
 from cdc_apply.apply.options import ApplyOptions, TableOptions
 from cdc_apply.apply.pieces import PiecewiseAppender
 from cdc_apply.apply.plan import (
-    BatchResult, CollapsedBatch, MissingValue, MissingValueLookup, TablePlan, TableResult, Versioning,
+    BatchResult, CollapsedBatch, ExternalCollapse, MissingValue, MissingValueLookup, TablePlan, TableResult, Versioning,
     appends_new_rows, multiset, unique_key,
 )
 from cdc_apply.apply.schema import BackfillTargetColumn
@@ -44,7 +45,7 @@ from cdc_apply.apply.target_state import TargetStates
 from cdc_apply.apply.targets import SourceState, Target, TargetRegistry
 from cdc_apply.apply.writer import TableWriter
 from cdc_apply.assemble import Change, SpilledChanges, Transaction
-from cdc_apply.changerows.codec import UnrepresentableColumnError
+from cdc_apply.changerows.codec import PortableCodec, UnrepresentableColumnError
 from cdc_apply.changerows.columns import InsertedRows, ParsedImages, ParsedRows
 from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
 from cdc_apply.failpoints import failpoint
@@ -229,10 +230,7 @@ class BatchApplier:
         plan = self._plan(oid, segments[0].relation, versioning, snapshot, spark)
         if plan is None:
             return None
-        known_text = plan.known.source.text_columns if plan.known.source is not None else ()
-        learned = {(plan.relation.namespace, plan.relation.name, c) for c in known_text} - self.schema.text_columns
-        if learned:  # switched by an earlier run: convert as the target holds them
-            self.schema.text_columns |= learned
+        if self._learn_text_columns(plan):
             segments = self._converted_again(segments)
         result = TableResult(plan.qualified, plan.target.location)
         batch = None if plan.done else self._collapse(plan, segments, result)
@@ -243,6 +241,45 @@ class BatchApplier:
         result.seconds = time.perf_counter() - started
         log.info("%s: %s in %.1f s (%s%s)", plan.qualified, dict(result.ops), result.seconds, result.write,
                  ", columnar" if result.columnar else "")
+        return result
+
+    def _learn_text_columns(self, plan: TablePlan) -> bool:
+        """True when the target holds columns an earlier run switched to text that this applier did not
+        know of: they are converted as the target holds them from now on (the codecs are built again)."""
+        known_text = plan.known.source.text_columns if plan.known.source is not None else ()
+        learned = {(plan.relation.namespace, plan.relation.name, c) for c in known_text} - self.schema.text_columns
+        self.schema.text_columns |= learned
+        return bool(learned)
+
+    def apply_table_collapsed_by(self, relation: m.Relation, versioning: Versioning, collapse: ExternalCollapse,
+                                 op_counts: Counter[str], first_lsn: int, last_lsn: int) -> TableResult | None:
+        """One table's changes of a batch, of one Relation definition and no truncate, collapsed by
+        ``collapse`` (on Spark's executors: ``spark/log_collapse.py``) and written by the same writer in
+        one commit with the same version, so the driver holds none of its rows. None when the driver's
+        collapse must take the batch: a new target, a Relation that changes the target's schema or key,
+        a table not applied one row per key (history, a whole-row key, no key). A table the config
+        excludes, or one whose target holds the batch already, gives a skipped result."""
+        started = time.perf_counter()
+        plan = self._plan(relation.oid, relation, versioning, False, None)
+        if plan is None or plan.done:
+            qualified = f"{relation.namespace}.{relation.name}"
+            return TableResult(qualified, plan.target.location if plan else "", skipped=True)
+        state = plan.known.source
+        if state is None or not plan.registered or not state.keys \
+                or not self.schema.keyed_as_is(state, relation, plan.options):
+            return None
+        self._learn_text_columns(plan)
+        result = TableResult(plan.qualified, plan.target.location)
+        text = frozenset(c.name for c in relation.columns
+                         if self.schema.column_type(relation.namespace, relation.name, c.name) == "string")
+        codec = PortableCodec(relation, text, dict(self.schema.types.named))
+        frame = collapse(codec, state.column_map(), state.keys, dict(plan.known.data_types),
+                         plan.lsn_done)
+        collapsed = Collapsed(state.keys, op_counts=op_counts, first_lsn=first_lsn, last_lsn=last_lsn)
+        self.writer.write(plan, CollapsedBatch(state, collapsed, None, None, False, False, frame), result)
+        result.seconds = time.perf_counter() - started
+        log.info("%s: %s in %.1f s (%s, collapsed by Spark)", plan.qualified, dict(op_counts), result.seconds,
+                 result.write)
         return result
 
     def _plan(self, oid: int, relation: m.Relation, versioning: Versioning, snapshot: bool,

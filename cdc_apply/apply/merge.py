@@ -33,21 +33,27 @@ if TYPE_CHECKING:
 def fetch_target_rows(target: Target, keys: Sequence[str], wanted: Iterable[Key],
                       where: str | None = None) -> dict[Key, dict[str, Any]]:
     """The target rows of the ``wanted`` keys, read to the driver (only for rare cases)."""
-    from pyspark.sql import functions as F
-
-    condition = None
-    for key in wanted:
-        match = None
-        for name, value in zip(keys, key):
-            term = F.col(quote(name)).eqNullSafe(F.lit(value))
-            match = term if match is None else match & term
-        condition = match if condition is None else condition | match
-    if condition is None:
+    wanted = list(wanted)
+    if not wanted:
         return {}
-    frame = target.read().where(condition)
+    table = target.read()
     if where:
-        frame = frame.where(where)
-    return {tuple(row[k] for k in keys): row.asDict() for row in frame.collect()}
+        table = table.where(where)
+    probe, on = _key_probe(target, table, wanted, keys, target.data_types())
+    return {tuple(row[k] for k in keys): row.asDict() for row in table.join(probe, on=on, how="left_semi").collect()}
+
+
+def _key_probe(target: Target, table: DataFrame, wanted: list[Key], keys: Sequence[str],
+               data_types: Mapping[str, str]) -> tuple[DataFrame, list[Any]]:
+    """The ``wanted`` keys as a DataFrame (``_cdc_i``: the key's index in ``wanted``) and the join
+    condition that finds their rows in ``table``: a join, where a filter of one term per key would
+    nest too deep for Spark's analyzer (a StackOverflowError at some hundreds of keys)."""
+    probe_types = {f"_cdc_k{i}": data_types[name] for i, name in enumerate(keys)}
+    arrays = {f"_cdc_k{i}": arrow_column(name, [key[i] for key in wanted], data_types[name])
+              for i, name in enumerate(keys)}
+    arrays["_cdc_i"] = pa.array(range(len(wanted)), pa.int64())
+    probe = typed_frame(target.spark, arrays, probe_types)
+    return probe, [table[quote(k)].eqNullSafe(probe[f"_cdc_k{i}"]) for i, k in enumerate(keys)]
 
 
 def fill_from_other_rows(target: Target, collapsed: Collapsed, keys: Sequence[str]) -> None:
@@ -131,12 +137,15 @@ class ValueDoesNotFitError(CdcApplyError):
 
 def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str],
                     options: TableOptions, commit: DataCommit, append: bool = False,
-                    columnar: CollapsedColumns | None = None) -> None:
+                    columnar: CollapsedColumns | None = None, frame: DataFrame | None = None) -> None:
     """One Delta commit. ``append``: every row is new to the table (initial snapshot chunks, or a
     batch of new rows only: ``Collapsed.new_rows_only``), so a plain append writes it. ``columnar``:
-    the batch collapsed as columns already (``apply/columnar.py``), in place of ``collapsed``'s states."""
+    the batch collapsed as columns already (``apply/columnar.py``), in place of ``collapsed``'s states;
+    ``frame``: collapsed by Spark, the same columns as a DataFrame."""
     spark = target.spark
-    if columnar is not None:
+    if frame is not None:
+        source, kept = frame, frozenset(name for name in data_types if name not in keys)
+    elif columnar is not None:
         source = typed_frame(spark, columnar.columns, data_types)
         kept = columnar.kept
     elif collapsed.multiplicity is not None:
@@ -241,12 +250,9 @@ def _target_counts(target: Target, wanted: list[Key], keys: Sequence[str],
     """How many target rows hold each of the ``wanted`` whole-row keys (a join on the driver's keys)."""
     from pyspark.sql import functions as F
 
-    arrays = {name: arrow_column(name, [key[i] for key in wanted], data_types[name]) for i, name in enumerate(keys)}
-    arrays["_cdc_i"] = pa.array(range(len(wanted)), pa.int64())
-    probe = typed_frame(target.spark, arrays, {name: data_types[name] for name in keys})
     table = target.read()
-    joined = table.join(probe, on=[table[quote(k)].eqNullSafe(probe[quote(k)]) for k in keys], how="inner")
-    found = joined.groupBy(probe["_cdc_i"]).agg(F.count(F.lit(1)).alias("n")).collect()
+    probe, on = _key_probe(target, table, wanted, keys, data_types)
+    found = table.join(probe, on=on, how="inner").groupBy(probe["_cdc_i"]).agg(F.count(F.lit(1)).alias("n")).collect()
     return {wanted[row["_cdc_i"]]: int(row["n"]) for row in found}
 
 

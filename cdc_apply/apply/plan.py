@@ -11,15 +11,19 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cdc_apply.apply.collapse import Collapsed, Collapser
 from cdc_apply.apply.columnar import CollapsedColumns
 from cdc_apply.apply.options import TableOptions
 from cdc_apply.apply.target_state import TargetState
 from cdc_apply.apply.targets import SourceState, Target
+from cdc_apply.changerows.codec import PortableCodec
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.pgoutput import messages as m
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +37,7 @@ class TableResult:
     table: str
     location: str
     ops: Counter[str] = field(default_factory=Counter)
-    keys_written: int = 0
+    keys_written: int = 0  # not counted (0) when Spark collapsed the batch
     first_lsn: int | None = None
     last_lsn: int | None = None
     schema_changes: list[str] = field(default_factory=list)
@@ -102,6 +106,15 @@ class CollapsedBatch:
     columnar: CollapsedColumns | None
     new_rows_only: bool
     appendable: bool
+    # Collapsed by Spark (``ExternalCollapse``): the MERGE source as a DataFrame, ``collapsed`` only
+    # its counts and LSNs; no row of it on the driver.
+    frame: DataFrame | None = None
+
+
+# Given the table's codec (to build in Spark's tasks), column map (source -> target), key, target types and the LSN its target
+# holds, the MERGE source as a Spark DataFrame collapsed off the driver (``spark/log_collapse.py``).
+ExternalCollapse = Callable[[PortableCodec, dict[str, "str | None"], tuple[str, ...], dict[str, str], "int | None"],
+                            "DataFrame"]
 
 
 class MissingValue(Protocol):

@@ -58,14 +58,14 @@ class TableWriter:
                 merge_history(plan.target, batch.collapser, data_types, state.keys, commit)  # type: ignore[arg-type]
             else:
                 merge_collapsed(plan.target, collapsed, data_types, state.keys, plan.options, commit, append=append,
-                                columnar=batch.columnar)
+                                columnar=batch.columnar, frame=batch.frame)
         except ValueDoesNotFitError as exc:
             source = next((name for name, column in state.column_map().items() if column == exc.column), exc.column)
             raise UnrepresentableColumnError(qualified, source, f"{qualified} (LSN {format_lsn(collapsed.first_lsn or 0)}.."
                                              f"{format_lsn(collapsed.last_lsn or 0)}): {exc}") from None
         self.committed(plan, commit if cached else None)
         result.ops = collapsed.op_counts
-        result.keys_written = batch.columnar.keys_written if batch.columnar else len(collapsed.states)
+        result.keys_written = batch.columnar.keys_written if batch.columnar else len(collapsed.states)  # 0: a frame
         result.first_lsn, result.last_lsn = collapsed.first_lsn, collapsed.last_lsn
         result.write, result.columnar = write, batch.columnar is not None
 

@@ -7,7 +7,7 @@ transactions into segments; both build on this module, which imports neither.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -18,7 +18,7 @@ from cdc_apply.assemble import Change, Transaction
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn, pg_us_to_unix_us
 from cdc_apply.pgoutput import messages as m
-from cdc_apply.pgtypes import PgType, TypeCache, UnrepresentableValueError, ValueConversionError
+from cdc_apply.pgtypes import PgType, TypeCache, UnrepresentableValueError, ValueConversionError, portable_type_cache
 from cdc_apply.pgtypes.sparktypes import arrow_type
 
 _WIRE, _OP = attrgetter("wire"), attrgetter("op")
@@ -111,6 +111,20 @@ class RelationCodec:
         if data is None:
             return []
         return [self.columns[i].name for i in data.unchanged_columns()]
+
+
+@dataclass(frozen=True)
+class PortableCodec:
+    """What a Spark task needs to build a relation's codec as the driver has it (a codec holds
+    converters that do not pickle): the Relation, the columns kept as PostgreSQL's exact text, and
+    the custom types (``TypeCache.named``)."""
+
+    relation: m.Relation
+    text_columns: frozenset[str]
+    custom_types: Mapping[int, tuple[str, str]]
+
+    def build(self) -> RelationCodec:
+        return RelationCodec.build(self.relation, portable_type_cache(self.text_columns, self.custom_types))
 
 
 @dataclass

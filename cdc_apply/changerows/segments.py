@@ -78,6 +78,13 @@ class ChangeRowBuilder:
         self.types = types or TypeCache()
         self._codecs: dict[m.Relation, RelationCodec] = {}
 
+    @classmethod
+    def with_codecs(cls, codecs: Iterable[RelationCodec]) -> ChangeRowBuilder:
+        """A builder holding codecs built elsewhere (by the driver, for a Spark task)."""
+        builder = cls()
+        builder._codecs = {codec.relation: codec for codec in codecs}
+        return builder
+
     def codec(self, relation: m.Relation) -> RelationCodec:
         codec = self._codecs.get(relation)
         if codec is None:

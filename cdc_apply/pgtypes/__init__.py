@@ -7,7 +7,7 @@ only by a Type message (enums, domains, ...) are added with ``TypeCache.add``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from cdc_apply.pgtypes import datetime as _datetime  # noqa: F401 - registers its types
 from cdc_apply.pgtypes import network as _network  # noqa: F401
@@ -62,4 +62,13 @@ class TypeCache:
         return pg_type
 
 
-__all__ = ["PgType", "TypeCache", "UnrepresentableValueError", "ValueConversionError", "lookup", "registered"]
+def portable_type_cache(text_columns: frozenset[str], custom_types: Mapping[int, tuple[str, str]]) -> TypeCache:
+    """A copy of one table's type cache in a Spark task (a cache holds converters that do not pickle):
+    the columns converted as PostgreSQL's exact text, and the custom types (``TypeCache.named``)."""
+    types = TypeCache(column_types=lambda _schema, _table, name: "string" if name in text_columns else None)
+    for oid, (namespace, name) in custom_types.items():
+        types.add(oid, namespace, name)
+    return types
+
+
+__all__ = ["PgType", "TypeCache", "portable_type_cache", "UnrepresentableValueError", "ValueConversionError", "lookup", "registered"]

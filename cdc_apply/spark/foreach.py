@@ -124,9 +124,9 @@ def micro_batch_changes(table: pa.Table) -> tuple[list[Transaction], MicroBatchR
         lsn = int(commit_lsns[int(np.argmax(np.asarray(definitions.is_null(), bool)))])
         raise CdcApplyError(f"micro-batch row LSN {format_lsn(lsn)}: _cdc_relation is null")
     relation_at = definitions.indices.to_numpy()
-    relations = [_relation(raw, int(commit_lsns[int(np.argmax(relation_at == code))]))
+    relations = [relation_of(raw, int(commit_lsns[int(np.argmax(relation_at == code))]))
                  for code, raw in enumerate(definitions.dictionary.to_pylist())]
-    relation_of = [relations[code] for code in relation_at.tolist()]
+    relation_by_row = [relations[code] for code in relation_at.tolist()]
     seqs, ops, wires = (ordered[name].to_pylist() for name in ("seq", "op", "_cdc_change"))
     truncate_options = ordered["truncate_options"].fill_null(0).to_pylist()
     heads = ordered.take(pa.array(firsts)).select(["xid", "commit_lsn", "end_lsn", "commit_ts", "origin"]).to_pylist()
@@ -134,7 +134,7 @@ def micro_batch_changes(table: pa.Table) -> tuple[list[Transaction], MicroBatchR
     for head, first, end in zip(heads, firsts.tolist(), [*firsts[1:].tolist(), count]):
         lsn = head["commit_lsn"]
         source = f"micro-batch row LSN {format_lsn(lsn)}"
-        changes = [Change(seqs[i], ops[i], relation_of[i], truncate_options=truncate_options[i], lsn=lsn,
+        changes = [Change(seqs[i], ops[i], relation_by_row[i], truncate_options=truncate_options[i], lsn=lsn,
                           wire=wires[i], source=source) for i in range(first, end)]
         transactions.append(Transaction(head["xid"], lsn, head["end_lsn"], head["commit_ts"] - PG_EPOCH_OFFSET_US,
                                         changes, origin=head["origin"]))
@@ -142,7 +142,8 @@ def micro_batch_changes(table: pa.Table) -> tuple[list[Transaction], MicroBatchR
     return transactions, MicroBatchRows(ordered, row_of)
 
 
-def _relation(raw: bytes, lsn: int) -> m.Relation:
+def relation_of(raw: bytes, lsn: int) -> m.Relation:
+    """A row's ``_cdc_relation`` decoded (``lsn``: the row's, for the error)."""
     try:
         decoded = decode_message(raw)
     except DecodeError as exc:

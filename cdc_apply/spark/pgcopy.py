@@ -31,7 +31,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from cdc_apply.changerows.codec import RelationCodec, UnrepresentableColumnError
 from cdc_apply.changerows.columns import NotArrowRepresentable, text_column
 from cdc_apply.errors import CdcApplyError
-from cdc_apply.pgtypes import TypeCache
+from cdc_apply.pgtypes import TypeCache, portable_type_cache
 from cdc_apply.pgtypes.sparktypes import arrow_type
 from cdc_apply.sources.copy_arrow import copy_columns
 from cdc_apply.sources.snapshot import CopyData, CopyRange, PublishedTable, SnapshotLost, read_range
@@ -58,11 +58,7 @@ class TableCopy:
     chunk_rows: int = 100_000
 
     def type_cache(self) -> TypeCache:
-        text = self.text_columns
-        types = TypeCache(column_types=lambda _schema, _table, name: "string" if name in text else None)
-        for oid, (namespace, name) in self.custom_types.items():
-            types.add(oid, namespace, name)
-        return types
+        return portable_type_cache(self.text_columns, self.custom_types)
 
 
 class CopyNeedsDriver(CdcApplyError):
