@@ -25,7 +25,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -157,20 +157,22 @@ class ChangeLog:
     def _write_parts(self, append: KnownVersionAppend, transactions: Sequence[Transaction]) -> int | None:
         """The transactions held in memory as one frame, then each spilled one a piece at a time, into
         files of ``append``; the rows written, or None when the table did not take a frame."""
-        parts: list[list[Transaction]] = [[t for t in transactions if not isinstance(t.changes, SpilledChanges)]]
-        for txn in transactions:
-            if isinstance(txn.changes, SpilledChanges):
-                parts += ([replace(txn, changes=piece)] for piece in txn.changes.pieces(self.piece_bytes))
-        rows = 0
-        for number, part in enumerate(parts):
-            if number and number % 64 == 0:
+        def parts() -> Iterator[list[Transaction]]:  # lazily: one piece of a spilled transaction at a time
+            yield [t for t in transactions if not isinstance(t.changes, SpilledChanges)]
+            for txn in transactions:
+                if isinstance(txn.changes, SpilledChanges):
+                    yield from ([replace(txn, changes=piece)] for piece in txn.changes.pieces(self.piece_bytes))
+
+        rows = number = 0
+        for number, part in enumerate(parts()):
+            if number and number % 16 == 0:
                 gc.collect()  # py4j lets a written frame's rows go only when the cycle collector runs
             table = self._arrow(part)
             if table.num_rows:
                 if not append.write(self.spark.createDataFrame(table, SPARK_DDL)):
                     return None
                 rows += table.num_rows
-        self.pieces_written = len(parts) - 1
+        self.pieces_written = number
         if self.pieces_written:
             log.info("change log: %d rows, %d piece(s) of spilled transactions, in one commit", rows,
                      self.pieces_written)

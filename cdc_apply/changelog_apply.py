@@ -169,14 +169,37 @@ class ChangeLogApplier:
         return results
 
     def _large_transaction(self, window: DataFrame) -> tuple[BatchResult, list[Transaction]]:
-        """The one transaction of ``window``, past spill_bytes. Each table with updates or deletes under
-        one Relation definition is collapsed and merged by Spark (``spark/log_collapse.py``), its rows
-        never on the driver; the other tables (inserts only: appended in pieces; a schema change, a
-        truncate, a table the executors' collapse refuses) are read in pieces into a spill file and
-        applied as the stream applies a spilled transaction (``_spilled``)."""
+        """The one transaction of ``window``, past spill_bytes: each table the executors take is collapsed
+        and merged by Spark (``_tables_on_executors``); the other tables (inserts only: appended in
+        pieces; a schema change, a truncate, a table the executors' collapse refuses) are read in
+        pieces into a spill file and applied as the stream applies a spilled transaction (``_spilled``)."""
         from pyspark.sql import functions as F
 
         started = time.perf_counter()
+        transaction, applied, on_driver = self._tables_on_executors(window)
+        if on_driver:
+            rest = window.where(F.col("relation_oid").isin(list(on_driver)))
+            spilled = self._spilled(rest, sum(on_driver.values()))
+            transaction = replace(spilled, changes=[])
+            applied += self.applier.apply([spilled]).tables
+        lsn = transaction.commit_lsn
+        return BatchResult(1, lsn, lsn, applied, time.perf_counter() - started), [transaction]
+
+    def apply_on_executors(self, transaction: Transaction) -> BatchResult | None:
+        """A spilled transaction of the stream that the log holds already (``confirm_after: targets``):
+        its tables collapsed and merged by Spark from the log. None when a table is left for the
+        driver's apply, which then skips the tables applied here by their versions."""
+        started = time.perf_counter()
+        lsn = transaction.commit_lsn
+        _, applied, on_driver = self._tables_on_executors(self.changelog.read(after=lsn - 1, until_lsn=lsn))
+        return None if on_driver else BatchResult(1, lsn, lsn, applied, time.perf_counter() - started)
+
+    def _tables_on_executors(self, window: DataFrame) -> tuple[Transaction, list[TableResult], dict[int, int]]:
+        """The one transaction of ``window`` (its head, without changes), the results of the tables Spark
+        collapsed and merged (those with updates or deletes under one Relation definition, no truncate),
+        and the others' message bytes by relation OID, for the driver."""
+        from pyspark.sql import functions as F
+
         tables = window.groupBy("relation_oid").agg(
             F.count_distinct("_cdc_relation").alias("definitions"), F.first("_cdc_relation").alias("relation"),
             *(F.count_if(F.col("op") == op).alias(op) for op in "IUDT"),
@@ -188,22 +211,16 @@ class ChangeLogApplier:
         transaction = Transaction(head["xid"], lsn, head["end_lsn"], head["commit_us"] - PG_EPOCH_OFFSET_US, [],
                                   origin=head["origin"])
         applied: list[TableResult] = []
-        on_driver: list[int] = []
+        on_driver: dict[int, int] = {}
         for table in tables:
             result = None
             if table["definitions"] == 1 and not table["T"] and (table["U"] or table["D"]):
                 result = self._on_executors(window.where(F.col("relation_oid") == table["relation_oid"]), table, lsn)
             if result is None:
-                on_driver.append(table["relation_oid"])
+                on_driver[table["relation_oid"]] = table["message_bytes"] or 0
             else:
                 applied.append(result)
-        if on_driver:
-            rest = window.where(F.col("relation_oid").isin(on_driver))
-            message_bytes = sum(t["message_bytes"] or 0 for t in tables if t["relation_oid"] in on_driver)
-            spilled = self._spilled(rest, message_bytes)
-            transaction = replace(spilled, changes=[])
-            applied += self.applier.apply([spilled]).tables
-        return BatchResult(1, lsn, lsn, applied, time.perf_counter() - started), [transaction]
+        return transaction, applied, on_driver
 
     def _on_executors(self, rows: DataFrame, table: Row, lsn: int) -> TableResult | None:
         """One table's rows of a large transaction collapsed and merged by Spark; None when the driver
@@ -396,6 +413,15 @@ def targets_follow_elsewhere(config: Config) -> Callable[[list[Transaction]], No
     """For ``DeltaSink``: under ``changelog.targets: separate`` a batch is done once the log holds it
     (``cdc-apply follow-changelog`` applies it to the targets); else None (the caller decides)."""
     return (lambda batch: None) if config.changelog.follower == "separate" else None
+
+
+def large_transactions_from_changelog(changelog: ChangeLog | None, applier: BatchApplier, config: Config) -> None:
+    """With the log on and ``confirm_after: targets``, the stream's spilled transactions that update or
+    delete are collapsed by Spark from the log, which holds them before the targets are written
+    (``ChangeLogApplier.apply_on_executors``), instead of whole on the driver."""
+    if changelog is not None and config.changelog.follower is None:
+        applier.large_transactions = ChangeLogApplier(changelog, applier, max_changes=config.batching.max_changes,
+                                                      spill_bytes=config.batching.spill_bytes).apply_on_executors
 
 
 def targets_from_changelog(changelog: ChangeLog, stream_applier: BatchApplier, summary: RunSummary,

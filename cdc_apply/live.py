@@ -34,7 +34,9 @@ import psycopg
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
 from cdc_apply.changelog import enabled_changelog
-from cdc_apply.changelog_apply import TargetFollower, targets_follow_elsewhere, targets_from_changelog
+from cdc_apply.changelog_apply import (
+    TargetFollower, large_transactions_from_changelog, targets_follow_elsewhere, targets_from_changelog,
+)
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
@@ -79,6 +81,7 @@ class LiveReplicator:
         if self.changelog is not None and config.changelog.follower == "in_process":
             self.follower = TargetFollower(targets_from_changelog(self.changelog, self.applier, self.summary,
                                                                   config.batching))
+        large_transactions_from_changelog(self.changelog, self.applier, config)
         self.sink = DeltaSink(self.applier, self.summary, self.snapshotter, self.changelog,
                               self.follower.logged if self.follower is not None else targets_follow_elsewhere(config))
         self.confirmed = 0

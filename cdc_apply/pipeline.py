@@ -22,7 +22,7 @@ from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import TargetRegistry
 from cdc_apply.assemble import Transaction
 from cdc_apply.changelog import enabled_changelog
-from cdc_apply.changelog_apply import targets_follow_elsewhere, targets_from_changelog
+from cdc_apply.changelog_apply import large_transactions_from_changelog, targets_follow_elsewhere, targets_from_changelog
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
@@ -112,6 +112,7 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
             from_log = targets_from_changelog(changelog, applier, summary, config.batching)
         # confirm_after: changelog: the batches only go to the log; the targets follow at the end (in_process),
         # or cdc-apply follow-changelog brings them up (separate).
+        large_transactions_from_changelog(changelog, applier, config)
         sink = DeltaSink(applier, summary, snapshotter, changelog,
                          (lambda batch: None) if from_log else targets_follow_elsewhere(config))
         advance = _slot_advancer(conn, config, summary)

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING
 
@@ -76,6 +76,9 @@ class BatchApplier:
         self.schema = SchemaApplier(options, self.target_states, missing_value)
         self.rows = ChangeRowBuilder(self.schema.types)  # the same type cache: Type messages register there
         self.writer = TableWriter(options, self.target_states)
+        # A spilled transaction the pieces do not take is offered here before the driver collapses it
+        # whole: the change log's collapse by Spark (``changelog_apply.large_transactions_from_changelog``).
+        self.large_transactions: Callable[[Transaction], BatchResult | None] | None = None
         self.pieces = PiecewiseAppender(lambda oid, relation, versioning: self._plan(oid, relation, versioning, False, None),
                                         self.rows, self.schema, self.writer, options.piece_bytes)
 
@@ -119,7 +122,9 @@ class BatchApplier:
                 tables += self._apply_together(together).tables
                 together = []
             if txn is not None:
-                tables += (self.pieces.append(txn) or self._apply_together([txn])).tables
+                offered = self.large_transactions
+                tables += (self.pieces.append(txn) or (offered(txn) if offered is not None else None)
+                           or self._apply_together([txn])).tables
         return BatchResult(len(transactions), transactions[0].commit_lsn, transactions[-1].commit_lsn, tables,
                            time.perf_counter() - started)
 
