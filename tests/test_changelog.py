@@ -272,7 +272,8 @@ def test_a_large_update_transaction_is_collapsed_by_spark_from_the_change_log(db
     """Under ``confirm_after: changelog``, a transaction past ``spill_bytes`` that updates and deletes
     rows of existing targets is collapsed per key by Spark's executors (``spark/log_collapse.py``),
     TOAST carried forward and keys changed; one that moves a row with an unchanged TOAST value to
-    another key is refused there and applied on the driver. Both end equal to PostgreSQL."""
+    another key is refused there and applied on the driver. Under ``confirm_after: targets`` the
+    stream's spilled transaction is collapsed by Spark from the log too. Each ends equal to PostgreSQL."""
     server, dbname = db18
     conninfo = server.conninfo(dbname)
     warehouse = str(tmp_path / "wh")
@@ -305,4 +306,13 @@ def test_a_large_update_transaction_is_collapsed_by_spark_from_the_change_log(db
         drain(config, spark)
         assert "public.accounts at" in caplog.text and "collapsing on the executors failed" in caplog.text
         assert "refused a group of public.accounts" in caplog.text, caplog.text[-3000:]
+        assert_delta_equals_postgres(spark, conn, warehouse)
+        caplog.clear()  # confirm_after: targets: the stream's spilled transaction, collapsed by Spark from the log
+        targets_first = config.model_copy(update={"changelog": config.changelog.model_copy(update={"confirm_after": "targets"})})
+        with conn.transaction():
+            conn.execute("UPDATE accounts SET balance = balance + 5 WHERE id % 2 = 1")
+            conn.execute("DELETE FROM accounts WHERE id % 9 = 0")
+        drain(targets_first, spark)
+        assert re.search(r"public\.accounts: .* \(merge, collapsed by Spark\)", caplog.text), caplog.text[-3000:]
+        assert "bringing the targets up to date from the change log" not in caplog.text  # the stream applied it
         assert_delta_equals_postgres(spark, conn, warehouse)
