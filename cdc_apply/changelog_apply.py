@@ -176,7 +176,9 @@ class ChangeLogApplier:
         from pyspark.sql import functions as F
 
         started = time.perf_counter()
-        transaction, applied, on_driver = self._tables_on_executors(window)
+        found = self._tables_on_executors(window)
+        assert found is not None, "a window holds at least one row"
+        transaction, applied, on_driver = found
         if on_driver:
             rest = window.where(F.col("relation_oid").isin(list(on_driver)))
             spilled = self._spilled(rest, sum(on_driver.values()))
@@ -191,13 +193,15 @@ class ChangeLogApplier:
         driver's apply, which then skips the tables applied here by their versions."""
         started = time.perf_counter()
         lsn = transaction.commit_lsn
-        _, applied, on_driver = self._tables_on_executors(self.changelog.read(after=lsn - 1, until_lsn=lsn))
-        return None if on_driver else BatchResult(1, lsn, lsn, applied, time.perf_counter() - started)
+        found = self._tables_on_executors(self.changelog.read(after=lsn - 1, until_lsn=lsn))
+        if found is None or found[2]:
+            return None
+        return BatchResult(1, lsn, lsn, found[1], time.perf_counter() - started)
 
-    def _tables_on_executors(self, window: DataFrame) -> tuple[Transaction, list[TableResult], dict[int, int]]:
+    def _tables_on_executors(self, window: DataFrame) -> tuple[Transaction, list[TableResult], dict[int, int]] | None:
         """The one transaction of ``window`` (its head, without changes), the results of the tables Spark
         collapsed and merged (those with updates or deletes under one Relation definition, no truncate),
-        and the others' message bytes by relation OID, for the driver."""
+        and the others' message bytes by relation OID, for the driver; None when ``window`` is empty."""
         from pyspark.sql import functions as F
 
         tables = window.groupBy("relation_oid").agg(
@@ -206,6 +210,8 @@ class ChangeLogApplier:
             F.sum(F.length("_cdc_change")).alias("message_bytes"), F.first("xid").alias("xid"),
             F.first("end_lsn").alias("end_lsn"), F.unix_micros(F.first("commit_ts")).alias("commit_us"),
             F.first("origin").alias("origin"), F.first("commit_lsn").alias("commit_lsn")).collect()
+        if not tables:
+            return None
         head = tables[0]
         lsn = head["commit_lsn"]
         transaction = Transaction(head["xid"], lsn, head["end_lsn"], head["commit_us"] - PG_EPOCH_OFFSET_US, [],

@@ -34,6 +34,7 @@ from cdc_apply.changerows.codec import PortableCodec
 from cdc_apply.changerows.columns import text_column
 from cdc_apply.changerows.segments import ChangeRowBuilder
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.lsn import format_lsn
 from cdc_apply.pgtypes.sparktypes import arrow_type
 from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, micro_batch_changes
 
@@ -107,7 +108,7 @@ def _key_converter(portable: PortableCodec, sources: list[str], key_types: list[
             lsns = batch.column("commit_lsn")
 
             def where(row: int) -> str:
-                return f"{table}, the change log's row of LSN {lsns[row].as_py()}"
+                return f"{table}, the change log's row of LSN {format_lsn(lsns[row].as_py())}"
 
             arrays, names = [], []
             for name in batch.schema.names:
