@@ -22,7 +22,9 @@ from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import TargetRegistry
 from cdc_apply.assemble import Transaction
 from cdc_apply.changelog import enabled_changelog
-from cdc_apply.changelog_apply import large_transactions_from_changelog, targets_follow_elsewhere, targets_from_changelog
+from cdc_apply.changelog_apply import (
+    large_transactions_from_changelog, targets_follow_elsewhere, targets_from_changelog,
+)
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn

@@ -71,4 +71,5 @@ def portable_type_cache(text_columns: frozenset[str], custom_types: Mapping[int,
     return types
 
 
-__all__ = ["PgType", "TypeCache", "portable_type_cache", "UnrepresentableValueError", "ValueConversionError", "lookup", "registered"]
+__all__ = ["PgType", "TypeCache", "UnrepresentableValueError", "ValueConversionError", "lookup", "portable_type_cache",
+           "registered"]

@@ -37,6 +37,7 @@ from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgtypes.sparktypes import arrow_type
 from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, micro_batch_changes
+from cdc_apply.spark.typed import spark_arrow
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -118,7 +119,7 @@ def _key_converter(portable: PortableCodec, sources: list[str], key_types: list[
             for side in ("new", "old"):
                 for i, (source, spark_type) in enumerate(zip(sources, key_types)):
                     raw = batch.column(f"_cdc_{side}_text{i}").cast(pa.large_binary())
-                    arrays.append(text_column(raw, columns[source], where).cast(arrow_type(spark_type)))
+                    arrays.append(text_column(raw, columns[source], where).cast(spark_arrow(arrow_type(spark_type))))
                     names.append(f"_cdc_{side}{i}")
             yield pa.RecordBatch.from_arrays(arrays, names=names)
 
@@ -128,7 +129,7 @@ def _key_converter(portable: PortableCodec, sources: list[str], key_types: list[
 def _group_collapser(portable: PortableCodec, column_map: dict[str, str | None], keys: tuple[str, ...],
                      data_types: dict[str, str]):  # noqa: ANN202 - a Spark task
     """The collapse step's task: one group's rows -> its keys' last states (see the module docstring)."""
-    schema = pa.schema([*(pa.field(name, arrow_type(kind)) for name, kind in data_types.items()),
+    schema = pa.schema([*(pa.field(name, spark_arrow(arrow_type(kind))) for name, kind in data_types.items()),
                         pa.field(OP, pa.string()), pa.field(KEEP, pa.list_(pa.string())),
                         pa.field(COMMIT_LSN, pa.int64()), pa.field(COMMIT_TS, pa.timestamp("us", tz="UTC")),
                         pa.field(GROUP, pa.int32())])
@@ -145,8 +146,9 @@ def _group_collapser(portable: PortableCodec, column_map: dict[str, str | None],
         table = segment_rows(segments[0]) if seeded else None
         collapsed = None if table is None else collapsed_columns(table, None, column_map, keys, data_types)
         if collapsed is None:
-            raise CollapseRefused(f"{REFUSED} of {portable.relation.namespace}.{portable.relation.name} (a row moved to "
-                                  "another key with unchanged TOAST values, or a key the columnar collapse cannot group)")
+            name = f"{portable.relation.namespace}.{portable.relation.name}"
+            raise CollapseRefused(f"{REFUSED} of {name} (a row moved to another key with unchanged TOAST values, "
+                                  "or a key the columnar collapse cannot group)")
         count = len(collapsed.columns[OP])
         columns = [collapsed.columns[field.name].cast(field.type) for field in schema if field.name != GROUP]
         return pa.Table.from_arrays([*columns, pa.array([group] * count, pa.int32())], schema=schema)
