@@ -273,7 +273,8 @@ class BatchApplier:
         if state is None or not plan.registered or not state.keys \
                 or not self.schema.keyed_as_is(state, relation, plan.options):
             return None
-        self._learn_text_columns(plan)
+        if self._learn_text_columns(plan):
+            self.rows.forget(relation.oid)  # a codec cached before is stale, or the driver's next batch would use it
         result = TableResult(plan.qualified, plan.target.location)
         text = frozenset(c.name for c in relation.columns
                          if self.schema.column_type(relation.namespace, relation.name, c.name) == "string")
