@@ -44,7 +44,7 @@ from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED
 from cdc_apply.apply.sessionconf import DataCommit
-from cdc_apply.apply.targets import SourceState, Target, quote
+from cdc_apply.apply.targets import Target, quote
 from cdc_apply.assemble import Transaction
 from cdc_apply.changerows.columns import inserted_images
 from cdc_apply.config import Config
@@ -255,9 +255,9 @@ class Snapshotter:
         assert state is not None  # ensure_target made it
         spark = self.applier.spark
         tasks = min(settings.parallelism or spark.sparkContext.defaultParallelism, settings.max_connections)
+        schema = self.applier.schema
         job = TableCopy(self.config.source.conninfo(), snapshot.name, table, state.column_map(), target.data_types(),
-                        frozenset(self._text_columns(table.relation, state)), dict(self.applier.schema.types.named),
-                        settings.chunk_rows)
+                        schema.exact_text_columns(table.relation, state), dict(schema.types.named), settings.chunk_rows)
         with progress(f"snapshot {table.qualified_name}", estimate) as advance:
             for first in range(0, len(ranges), settings.ranges_per_commit):
                 wave = ranges[first:first + settings.ranges_per_commit]
@@ -272,12 +272,6 @@ class Snapshotter:
                 advance(written)
                 failpoint("snapshot_chunk")
         return rows
-
-    def _text_columns(self, relation: m.Relation, state: SourceState) -> set[str]:
-        """Source columns converted as PostgreSQL's exact text: the config's and those evolve switched."""
-        types = self.applier.schema
-        return {c.name for c in relation.columns
-                if c.name in state.text_columns or types.column_type(relation.namespace, relation.name, c.name) == "string"}
 
     def _with_metadata_columns(self, frame: DataFrame, copy: _TableCopyRun, relation: m.Relation) -> DataFrame:
         """The copied rows with the metadata columns a snapshot chunk's rows get: the copy's version

@@ -276,9 +276,7 @@ class BatchApplier:
         if self._learn_text_columns(plan):
             self.rows.forget(relation.oid)  # a codec cached before is stale, or the driver's next batch would use it
         result = TableResult(plan.qualified, plan.target.location)
-        text = frozenset(c.name for c in relation.columns
-                         if self.schema.column_type(relation.namespace, relation.name, c.name) == "string")
-        codec = PortableCodec(relation, text, dict(self.schema.types.named))
+        codec = PortableCodec(relation, self.schema.exact_text_columns(relation, state), dict(self.schema.types.named))
         frame = collapse(codec, state.column_map(), state.keys, dict(plan.known.data_types),
                          plan.lsn_done)
         collapsed = Collapsed(state.keys, op_counts=op_counts, first_lsn=first_lsn, last_lsn=last_lsn)

@@ -86,6 +86,13 @@ class SchemaApplier:
                  relation.namespace, relation.name, keys)
         return state
 
+    def exact_text_columns(self, relation: m.Relation, state: SourceState) -> frozenset[str]:
+        """Source columns converted as PostgreSQL's exact text: the config's, and those evolve switched
+        (in this run, or recorded in the target's ``state``). What a Spark task's codec needs to know
+        (``changerows.codec.PortableCodec``, the copy's ``TableCopy``)."""
+        return frozenset(c.name for c in relation.columns if c.name in state.text_columns
+                         or self.column_type(relation.namespace, relation.name, c.name) == "string")
+
     def text_columns_of(self, relation: m.Relation) -> tuple[str, ...]:
         """The relation's columns evolve switched to PostgreSQL's text."""
         return tuple(c.name for c in relation.columns if (relation.namespace, relation.name, c.name) in self.text_columns)
