@@ -53,7 +53,7 @@ def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18
     with psycopg.connect(conninfo, autocommit=True) as conn:
         create_schema(conn, "load")  # empty tables: every row arrives as a change, so the log holds them all
         drain(config, spark)  # the slot, the (empty) copies, the log
-        load = Load(conninfo, sessions=2, rate_per_session=20, big_every=40).start()
+        load = Load(conninfo, sessions=2, rate_per_session=10, big_every=40).start()
         try:
             time.sleep(3)
             first = drain(config, spark)  # several batches of at most 300 changes, under the load

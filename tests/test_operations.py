@@ -244,7 +244,7 @@ def test_resync_under_load_and_after_a_kill_ends_equal(load_db, spark, tmp_path)
     assert_delta_equals_postgres(spark, conn, warehouse)
 
     # Killed after 2 chunks: the target counts as not in sync until a later resync finishes it.
-    load = Load(conninfo, sessions=1, rate_per_session=40, big_every=0, seed=2).start()
+    load = Load(conninfo, sessions=1, rate_per_session=10, big_every=0, seed=2).start()
     time.sleep(1)
     config_file = _write_config(tmp_path / "ops.yaml", config)
     env = {**os.environ, "CDC_APPLY_FAILPOINT": "snapshot_chunk:2"}
