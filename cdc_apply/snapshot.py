@@ -32,8 +32,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,7 +44,7 @@ from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED
 from cdc_apply.apply.sessionconf import DataCommit
-from cdc_apply.apply.targets import Target, quote
+from cdc_apply.apply.targets import FileAppend, Target, WrittenFile, quote
 from cdc_apply.assemble import Transaction
 from cdc_apply.changerows.columns import inserted_images
 from cdc_apply.config import Config
@@ -53,11 +53,11 @@ from cdc_apply.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_dat
 from cdc_apply.progress import progress
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.sources.slot import confirmed_flush
-from cdc_apply.sources.snapshot import ExportedSnapshot, PublishedTable, published_tables
+from cdc_apply.sources.snapshot import CopyRange, ExportedSnapshot, PublishedTable, published_tables
 from cdc_apply.spark.pgcopy import CopyNeedsDriver, TableCopy, copy_frame, task_errors
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import DataFrame, SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,8 @@ class Snapshotter:
         tasks = min(settings.parallelism or spark.sparkContext.defaultParallelism, settings.max_connections)
         schema = self.applier.schema
         job = TableCopy(self.config.source.conninfo(), snapshot.name, table, state.column_map(), target.data_types(),
-                        schema.exact_text_columns(table.relation, state), dict(schema.types.named), settings.chunk_rows)
+                        schema.exact_text_columns(table.relation, state), dict(schema.types.named), settings.chunk_rows,
+                        self._metadata_values(copy, table.relation))
         with progress(f"snapshot {table.qualified_name}", estimate) as advance:
             for first in range(0, len(ranges), settings.ranges_per_commit):
                 wave = ranges[first:first + settings.ranges_per_commit]
@@ -265,24 +266,39 @@ class Snapshotter:
                                        "relation_oid": table.relation.oid, "source": table.qualified_name,
                                        "copy": {**copy.progress, "after": [wave[-1].source, wave[-1].end_page]}},
                                       sort_keys=True)
-                frame = self._with_metadata_columns(copy_frame(spark, job, wave, tasks), copy, table.relation)
+                # A resumed copy merges by key; any other writes its files in the tasks where it can.
+                files = None if copy.resumed or settings.file_writer == "delta" else target.open_file_append()
                 with task_errors(table.qualified_name):
-                    written = self._write_copied(target, frame, metadata, state.keys if copy.resumed else ())
+                    if files is None:
+                        written = self._write_copied(target, copy_frame(spark, job, wave, tasks), metadata,
+                                                     state.keys if copy.resumed else ())
+                    else:
+                        written = self._commit_files(files, spark, replace(
+                            job, files_root=target.local_root, physical_columns=files.physical_columns), wave, tasks,
+                            metadata)
                 rows += written
                 advance(written)
                 failpoint("snapshot_chunk")
         return rows
 
-    def _with_metadata_columns(self, frame: DataFrame, copy: _TableCopyRun, relation: m.Relation) -> DataFrame:
-        """The copied rows with the metadata columns a snapshot chunk's rows get: the copy's version
-        as their commit LSN, its start as their commit time, and not deleted."""
-        from pyspark.sql import functions as F
-
-        frame = frame.withColumn(COMMIT_LSN, F.lit(copy.since - 1).cast("bigint")).withColumn(
-            COMMIT_TS, F.lit(pg_us_to_datetime(copy.commit_ts)).cast("timestamp"))
+    def _metadata_values(self, copy: _TableCopyRun, relation: m.Relation) -> dict[str, tuple[str, object]]:
+        """The metadata columns a snapshot chunk's rows get: the copy's version as their commit LSN,
+        its start as their commit time, and not deleted."""
+        values: dict[str, tuple[str, object]] = {COMMIT_LSN: ("bigint", copy.since - 1),
+                                                 COMMIT_TS: ("timestamp", pg_us_to_datetime(copy.commit_ts))}
         if self.applier.options.for_table(relation.namespace, relation.name).delete_mode == "soft":
-            frame = frame.withColumn(DELETED, F.lit(False))
-        return frame
+            values[DELETED] = ("boolean", False)
+        return values
+
+    @staticmethod
+    def _commit_files(files: FileAppend, spark: SparkSession, job: TableCopy, wave: Sequence[CopyRange], tasks: int,
+                      metadata: str) -> int:
+        """One commit of the files the tasks wrote for ``wave``; returns the rows they hold. A failed
+        task's files, and a wave's files when the run dies before this commit, are in no commit
+        (VACUUM removes them)."""
+        written = [WrittenFile(row.path, row.size, row.rows) for row in copy_frame(spark, job, wave, tasks).collect()]
+        files.commit(written, metadata)
+        return sum(file.rows for file in written)
 
     @staticmethod
     def _write_copied(target: Target, frame: DataFrame, metadata: str, merge_keys: tuple[str, ...]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from pathlib import Path
 
 import psycopg
 
@@ -148,6 +149,17 @@ def test_a_parallel_copy_under_writes_equals_postgres(any_db, spark, tmp_path) -
         typed = Target(spark, f"{warehouse}/public/typed", False).delta().history().collect()
         copies = [h for h in typed if h.userMetadata and '"snapshot"' in h.userMetadata]
         assert len(copies) >= 2  # ranges_per_commit 4 of 2 pages: several commits
+        # The tasks wrote the copy's Parquet files themselves (pyarrow), with column mapping's
+        # physical names where the target has them (the hostile names).
+        for table in ("public.typed", "public.odd/../na`me"):
+            path, _ = locations[COMPARED[table][1]].default_target(*table.split(".", 1))
+            assert "parquet-cpp-arrow" in _parquet_writers(path), table
+
+
+def _parquet_writers(path: str) -> set[str]:
+    import pyarrow.parquet as pq
+
+    return {pq.ParquetFile(file).metadata.created_by.split(" version")[0] for file in Path(path).glob("*.parquet")}
 
 
 def _assert_same_rows(spark, path: str, other: str) -> None:  # type: ignore[no-untyped-def]
@@ -193,3 +205,25 @@ def test_a_value_spark_tasks_cannot_convert_is_copied_by_the_driver(db18, spark,
         assert frame.schema["a"].dataType.simpleString() == "string"
         truth = dict(conn.execute("SELECT id, a::text FROM grid").fetchall())
         assert {row.id: row.a for row in frame.collect()} == truth
+
+
+def test_the_tasks_write_the_files_only_where_delta_s_writer_adds_nothing(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``snapshot.file_writer: tasks`` falls back to Delta's writer for what that writer enforces or
+    fills in, and for layouts the tasks do not write."""
+    tables = {
+        "plain": ("(id bigint, `a b` string)", "TBLPROPERTIES ('delta.columnMapping.mode' = 'name')"),
+        "checked": ("(id bigint, v int)", ""),
+        "generated": ("(id bigint, twice bigint GENERATED ALWAYS AS (id * 2))", ""),
+        "partitioned": ("(id bigint, region string)", "PARTITIONED BY (region)"),
+        "nested": ("(id bigint, s struct<x: int>)", ""),
+        "nested_mapped": ("(id bigint, s struct<x: int>)", "TBLPROPERTIES ('delta.columnMapping.mode' = 'name')"),
+    }
+    for name, (columns, extra) in tables.items():
+        spark.sql(f"CREATE TABLE delta.`{tmp_path / name}` {columns} USING delta {extra}")
+    spark.sql(f"ALTER TABLE delta.`{tmp_path / 'checked'}` ADD CONSTRAINT positive CHECK (v > 0)")
+    takes = {name: Target(spark, str(tmp_path / name), False).open_file_append() is not None for name in tables}
+    assert takes == {"plain": True, "checked": False, "generated": False, "partitioned": False, "nested": True,
+                     "nested_mapped": False}
+    plain = Target(spark, str(tmp_path / "plain"), False).open_file_append()
+    assert plain is not None and plain.physical_columns["a b"][0].startswith("col-")  # column mapping's names
+    assert Target(spark, "s3a://bucket/t", False).open_file_append() is None

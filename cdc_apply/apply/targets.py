@@ -242,6 +242,33 @@ class Target:
         transaction.readTxn().addOne(app_id)
         return KnownVersionAppend(self.spark, transaction, app_id)
 
+    def open_file_append(self) -> FileAppend | None:
+        """An append of files that Spark's tasks write themselves (``FileAppend``); None when this
+        table takes only Delta's writer: a table by name, a location pyarrow's local file system
+        cannot write (object storage: the tasks do not share the JVM's Hadoop credentials), a
+        partitioned table, a struct column under column mapping (its fields have physical names of
+        their own), or what Delta's writer enforces or fills in."""
+        if self.by_name or not _local_path(self.location):
+            return None
+        transaction = self._delta_log().startTransaction()
+        metadata = transaction.metadata()
+        fields = json.loads(metadata.schema().json())["fields"]
+        configuration = _scala_map(metadata.configuration())
+        mapped = configuration.get("delta.columnMapping.mode", "none") != "none"
+        if metadata.partitionColumns().nonEmpty() or (mapped and any("struct" in json.dumps(f["type"]) for f in fields)):
+            return None
+        # What Delta's writer enforces or fills in for a table cdc_apply adopted: CHECK constraints,
+        # invariants, generated and identity columns, UniForm's Iceberg metadata.
+        if any(set(f["metadata"]) - _PLAIN_FIELD_METADATA for f in fields) or any(
+                key.startswith(_WRITER_ENFORCED) for key in configuration):
+            return None
+        return FileAppend(self.spark, transaction)
+
+    @property
+    def local_root(self) -> str:
+        """The table's directory, for a table at a local path."""
+        return self.location.removeprefix("file://").removeprefix("file:")
+
     def write(self, frame: DataFrame, mode: str, partition_by: Sequence[str] = (), **options: str) -> None:
         """``frame`` written to this table (``append`` or ``overwrite``), by path or by name."""
         writer = frame.write.format("delta").mode(mode).options(**options)
@@ -316,6 +343,15 @@ class TargetRegistry:
 _WRITE_METRICS = ("numFiles", "numOutputRows", "numOutputBytes")  # a WRITE commit's operation metrics
 
 
+_PLAIN_FIELD_METADATA = {"delta.columnMapping.id", "delta.columnMapping.physicalName", "comment"}
+_WRITER_ENFORCED = ("delta.constraints.", "delta.universalFormat.", "delta.enableIcebergCompat")
+
+
+def _local_path(location: str) -> bool:
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", location)
+    return scheme is None or scheme[1] == "file"
+
+
 class KnownVersionAppend:
     """One append commit that records ``app_id`` -> a version (a SetTransaction) without asking Delta
     whether ``app_id`` holds that version already: the caller read, at the log version the
@@ -363,10 +399,55 @@ class KnownVersionAppend:
         jvm = self.spark._jvm  # type: ignore[attr-defined]
         now = jvm.java.lang.Long.valueOf(str(int(time.time() * 1000)))
         record = jvm.org.apache.spark.sql.delta.actions.SetTransaction(self.app_id, txn_version, jvm.scala.Some(now))
-        none = jvm.scala.Option.empty()
-        operation = getattr(jvm.org.apache.spark.sql.delta, "DeltaOperations$Write")(
-            jvm.org.apache.spark.sql.SaveMode.Append, none, none, jvm.scala.Some(user_metadata), none, none, none,
-            none, none)
-        actions = (jvm.scala.jdk.javaapi.CollectionConverters.asScala(jvm.java.util.ArrayList()).toSeq()
-                   if self._files is None else self._files)
-        self._transaction.commit(actions.appended(record), operation)
+        actions = _scala_seq(jvm, []) if self._files is None else self._files
+        self._transaction.commit(actions.appended(record), _append_operation(jvm, user_metadata))
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A Parquet file that a Spark task wrote into a table's directory itself (the initial copy's
+    tasks, ``spark/pgcopy.py``): not part of the table until a ``FileAppend`` commits it."""
+
+    path: str  # relative to the table's root
+    size: int
+    rows: int
+
+
+class FileAppend:
+    """One append commit of files written outside Delta's writer, opened before they are written:
+    they are written with this transaction's physical column names, and the commit fails if the
+    table's metadata changed since (Delta's conflict check). The files carry only their row count
+    as statistics: a reader skips none of them by their values."""
+
+    def __init__(self, spark: SparkSession, transaction: Any) -> None:
+        self.spark = spark
+        self._transaction = transaction
+        fields = json.loads(transaction.metadata().schema().json())["fields"]
+        # With column mapping, a column's Parquet name is its physical name (and its field id).
+        self.physical_columns: dict[str, tuple[str, int | None]] = {
+            field["name"]: (field["metadata"].get("delta.columnMapping.physicalName", field["name"]),
+                            field["metadata"].get("delta.columnMapping.id")) for field in fields}
+
+    def commit(self, files: Sequence[WrittenFile], user_metadata: str) -> None:
+        jvm = self.spark._jvm  # type: ignore[attr-defined]
+        now = int(time.time() * 1000)
+        action = jvm.org.apache.spark.sql.delta.actions.Action
+        adds = [action.fromJson(json.dumps({"add": {
+            "path": file.path, "partitionValues": {}, "size": file.size, "modificationTime": now, "dataChange": True,
+            "stats": json.dumps({"numRecords": file.rows})}})) for file in files]
+        self._transaction.commit(_scala_seq(jvm, adds), _append_operation(jvm, user_metadata))
+
+
+def _scala_seq(jvm: Any, items: Sequence[Any]) -> Any:
+    listed = jvm.java.util.ArrayList()
+    for item in items:
+        listed.add(item)
+    return jvm.scala.jdk.javaapi.CollectionConverters.asScala(listed).toSeq()
+
+
+def _append_operation(jvm: Any, user_metadata: str) -> Any:
+    """Delta's WRITE (append) operation, with ``user_metadata`` as the commit's userMetadata."""
+    none = jvm.scala.Option.empty()
+    return getattr(jvm.org.apache.spark.sql.delta, "DeltaOperations$Write")(
+        jvm.org.apache.spark.sql.SaveMode.Append, none, none, jvm.scala.Some(user_metadata), none, none, none, none,
+        none)

@@ -5,7 +5,9 @@ after the other:
 1. the raw read: ``COPY lineitem TO STDOUT`` read by psycopg and thrown away: the rate at which
    PostgreSQL hands the rows out;
 2. the product's copy: ``Snapshotter.sync`` of a pipeline with a fresh warehouse and slot (exported
-   snapshot, page ranges read and converted by Spark's tasks, Delta commits, the version);
+   snapshot, page ranges read and converted by Spark's tasks, Delta commits, the version), with
+   the Parquet files written by the tasks (``snapshot.file_writer: tasks``, the default), then the
+   same with Delta's writer (``file_writer: delta``);
 3. a hand-written Spark copy: COPY as CSV, parsed by ``pyarrow.csv`` with the table's types,
    ``spark.createDataFrame`` of the Arrow table, one Delta append.
 
@@ -19,6 +21,7 @@ the product's first copy (the JVM's and the Python workers' are not counted).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import resource
 import tempfile
@@ -51,6 +54,7 @@ SELECT g / 4, (g * 7919) %% 200000, (g * 104729) %% 10000, g %% 4,
 FROM generate_series(%s::bigint, %s::bigint) g
 """
 FILL_STEP = 500_000
+WRITERS = ("tasks", "delta")  # snapshot.file_writer, each copied in every round
 
 
 def create_lineitem(conn: psycopg.Connection, rows: int) -> None:
@@ -144,40 +148,42 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
             conn.execute("CREATE PUBLICATION bench FOR TABLE lineitem")
             size = conn.execute("SELECT pg_size_pretty(pg_table_size('lineitem'))").fetchone()[0]  # type: ignore[index]
         warehouse = tempfile.mkdtemp(prefix="cdc_apply_bench_snapshot_")
-        configs = [parse_config({"pipeline": f"bench{round_}", "source": {
-            "dsn": server.dsn, "slot": f"bench{round_}", "publication": "bench"},
-            "target": {"warehouse": f"{warehouse}/round{round_}"}, "snapshot": snapshot or {}}) for round_ in (1, 2)]
+        configs = [{writer: parse_config({"pipeline": f"bench{round_}{writer}", "source": {
+            "dsn": server.dsn, "slot": f"bench{round_}{writer}", "publication": "bench"},
+            "target": {"warehouse": f"{warehouse}/round{round_}{writer}"},
+            "snapshot": {**(snapshot or {}), "file_writer": writer}}) for writer in WRITERS} for round_ in (1, 2)]
         own_session = spark is None
-        spark = spark or build_spark_session(configs[0].spark)
+        spark = spark or build_spark_session(configs[0]["tasks"].spark)
         with psycopg.connect(server.dsn, autocommit=True) as conn:
-            for config in configs:  # the slots exist before the copies, as in a run
-                ensure_publication_and_slot(conn, config.source)
+            for config in (c for by_writer in configs for c in by_writer.values()):  # the slots exist before the
+                ensure_publication_and_slot(conn, config.source)                       # copies, as in a run
         # Warm the JVM with a small write, so neither Spark copy pays for the first one.
         spark.range(10).write.format("delta").save(f"{warehouse}/warm_up")
-        times: dict[str, list[float]] = {"raw": [], "product": [], "spark": []}
+        times: dict[str, list[float]] = {"raw": [], "product": [], "delta": [], "spark": []}
         copies: list[TableSnapshot] = []
         rss = PeakRss()
-        for round_, config in enumerate(configs, 1):
+        for round_, by_writer in enumerate(configs, 1):
             print(f" round {round_}:", flush=True)
             raw_rows, raw_s = _timed("raw COPY read", lambda: raw_copy_read(server.dsn))
-            # cdc_apply's copy before the hand-written one, whose whole-table buffers would stay in
+            # cdc_apply's copies before the hand-written one, whose whole-table buffers would stay in
             # this process's resident set and be counted in the copy's peak (measured in round 1).
-            applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(server.dsn).missing_value)
+            product: dict[str, tuple[int, float]] = {}
+            for writer, config in by_writer.items():
+                applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(server.dsn).missing_value)
 
-            def product_copy() -> int:
-                copied = Snapshotter(config, applier).sync()  # noqa: B023 - called at once, in this round
-                copies.extend(copied)
-                return sum(table.rows for table in copied)
+                def product_copy() -> int:
+                    copied = Snapshotter(config, applier).sync()  # noqa: B023 - called at once, in this round
+                    copies.extend(copied)
+                    return sum(table.rows for table in copied)
 
-            if round_ == 1:
-                with rss:
-                    product_rows, product_s = _timed("cdc_apply's copy", product_copy)
-            else:
-                product_rows, product_s = _timed("cdc_apply's copy", product_copy)
+                with rss if round_ == 1 and writer == "tasks" else contextlib.nullcontext():
+                    product[writer] = _timed(f"cdc_apply's copy, file_writer: {writer}", product_copy)
             spark_rows, spark_s = _timed("hand-written Spark copy", lambda: hand_written_spark_copy(
                 server.dsn, spark, f"{warehouse}/by_hand{round_}"))  # noqa: B023
-            assert raw_rows == spark_rows == product_rows == rows, (raw_rows, spark_rows, product_rows)
-            for name, seconds in (("raw", raw_s), ("product", product_s), ("spark", spark_s)):
+            assert raw_rows == spark_rows == product["tasks"][0] == product["delta"][0] == rows, \
+                (raw_rows, spark_rows, product)
+            for name, seconds in (("raw", raw_s), ("product", product["tasks"][1]), ("delta", product["delta"][1]),
+                                  ("spark", spark_s)):
                 times[name].append(seconds)
         if own_session:
             spark.stop()
@@ -186,14 +192,17 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
     warm = {name: rows / seconds[1] for name, seconds in times.items()}
     print(f"bench snapshot ({rows:,} rows, {size}); round 1 is the first copy in this process (Python workers "
           "started, the JVM's write path compiled), round 2 the same copies again")
-    for name, label in (("raw", "raw COPY read"), ("spark", "hand-written Spark copy"), ("product", "cdc_apply's copy")):
+    for name, label in (("raw", "raw COPY read"), ("spark", "hand-written Spark copy"), ("product", "cdc_apply's copy"),
+                        ("delta", "  with Delta's writer")):
         print(f"  {label:<24} {times[name][0]:7.1f} s  {first[name]:>12,.0f} rows/s   round 2: {times[name][1]:7.1f} s  "
               f"{warm[name]:>12,.0f} rows/s")
     print(f"  cdc_apply's copy: {method}; Python driver RSS: peak {rss.peak / 2**20:,.0f} MB, "
           f"{rss.start / 2**20:,.0f} MB before it (round 1)")
     for label, rates in (("round 1", first), ("round 2", warm)):
         print(f"  {label}: cdc_apply ÷ raw COPY read {rates['product'] / rates['raw']:.3f}x (goal >= 0.25x); "
-              f"cdc_apply ÷ hand-written Spark copy {rates['product'] / rates['spark']:.2f}x (goal >= 3x)")
+              f"cdc_apply ÷ hand-written Spark copy {rates['product'] / rates['spark']:.2f}x (goal >= 3x); "
+              f"files written by the tasks ÷ by Delta's writer {rates['product'] / rates['delta']:.2f}x")
     return {"product_over_raw": warm["product"] / warm["raw"], "product_over_spark": warm["product"] / warm["spark"],
             "first_product_over_raw": first["product"] / first["raw"],
-            "first_product_over_spark": first["product"] / first["spark"], "driver_peak_rss_mb": rss.peak / 2**20}
+            "first_product_over_spark": first["product"] / first["spark"], "driver_peak_rss_mb": rss.peak / 2**20,
+            "tasks_over_delta_writer": warm["product"] / warm["delta"]}

@@ -8,6 +8,12 @@ task opens its own connection, joins the exported snapshot, reads its ranges wit
 (``changerows.columns.text_column``), and yields the chunk as one ``pyarrow.RecordBatch`` of the
 target's columns: a task holds one chunk at a time, the driver none.
 
+With ``files_root`` set, a task writes each range's batches into one Parquet file of the table's
+directory itself (pyarrow, with the table's physical column names) and yields only the file's
+path, size and rows: the driver commits them (``apply/targets.FileAppend``). Spark's Arrow
+hand-over and the JVM's Parquet writer were about half of a copy's time (docs/live.md, "Initial
+copy on Spark's executors").
+
 A chunk the columnar conversion does not take (a value its target column cannot hold, a value
 Arrow cannot represent) fails the task with ``NEEDS_DRIVER`` in its message: the driver then
 copies the table its own way, which converts row by row, switches a column to text under
@@ -17,15 +23,18 @@ copies the table its own way, which converts row by row, switches a column to te
 from __future__ import annotations
 
 import base64
+import os
 import pickle
 import re
 import sys
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from cdc_apply.changerows.codec import RelationCodec, UnrepresentableColumnError
@@ -56,6 +65,14 @@ class TableCopy:
     text_columns: frozenset[str] = frozenset()  # source columns converted as PostgreSQL's exact text
     custom_types: Mapping[int, tuple[str, str]] = field(default_factory=dict)  # TypeCache.named
     chunk_rows: int = 100_000
+    # Columns every copied row holds the same value in (the metadata columns): name -> (Spark type, value)
+    constants: Mapping[str, tuple[str, object]] = field(default_factory=dict)
+    files_root: str | None = None  # the tasks write Parquet files here themselves (see the module's text)
+    physical_columns: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)  # FileAppend's
+
+    def columns(self) -> dict[str, str]:
+        """Every column a chunk's batch holds, with its Spark type."""
+        return {**self.data_types, **{name: kind for name, (kind, _) in self.constants.items()}}
 
     def type_cache(self) -> TypeCache:
         return portable_type_cache(self.text_columns, self.custom_types)
@@ -83,9 +100,43 @@ def chunk_batch(copy: TableCopy, chunk: CopyData, codec: RelationCodec) -> pa.Re
             kind = spark_arrow(arrow_type(spark_type))
             source = source_of.get(target)
             arrays.append(pa.nulls(rows, kind) if source is None else values[source].cast(kind))
+        for spark_type, value in copy.constants.values():
+            arrays.append(pa.repeat(pa.scalar(value, spark_arrow(arrow_type(spark_type))), rows))
     except (UnrepresentableColumnError, NotArrowRepresentable, *_ARROW_FAILURES) as exc:
         raise CopyNeedsDriver(f"{NEEDS_DRIVER}: {exc}") from None
-    return pa.RecordBatch.from_arrays(arrays, names=list(copy.data_types))
+    return pa.RecordBatch.from_arrays(arrays, names=list(copy.columns()))
+
+
+FILE_COLUMNS = "path STRING, size BIGINT, rows BIGINT"  # what a task that writes files yields, a row per file
+
+
+def write_file(copy: TableCopy, batches: Iterator[pa.RecordBatch], task: int) -> pa.RecordBatch | None:
+    """``batches`` in one new Parquet file under ``copy.files_root``, named as Spark names its own;
+    the file's row (``FILE_COLUMNS``), or None when there were no rows."""
+    assert copy.files_root is not None
+    writer: pq.ParquetWriter | None = None
+    name = f"part-{task:05d}-{uuid.uuid4()}-c000.snappy.parquet"
+    path = os.path.join(copy.files_root, name)
+    rows = 0
+    try:
+        for batch in batches:
+            if writer is None:
+                schema = pa.schema([_physical_field(copy, f) for f in batch.schema])
+                writer = pq.ParquetWriter(path, schema, compression="snappy")
+            writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=writer.schema))
+            rows += batch.num_rows
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is None:
+        return None
+    return pa.RecordBatch.from_pydict({"path": [name], "size": [os.path.getsize(path)], "rows": [rows]},
+                                      pa.schema([("path", pa.string()), ("size", pa.int64()), ("rows", pa.int64())]))
+
+
+def _physical_field(copy: TableCopy, column: pa.Field) -> pa.Field:
+    name, field_id = copy.physical_columns.get(column.name, (column.name, None))
+    return pa.field(name, column.type, metadata=None if field_id is None else {b"PARQUET:field_id": str(field_id)})
 
 
 class CopyPartition(InputPartition):
@@ -103,7 +154,9 @@ class PgCopyDataSource(DataSource):
 
     def schema(self) -> str:
         copy = _unpickled(self.options["copy"])
-        return ", ".join(f"{quoted(name)} {kind}" for name, kind in copy.data_types.items())
+        if copy.files_root is not None:
+            return FILE_COLUMNS
+        return ", ".join(f"{quoted(name)} {kind}" for name, kind in copy.columns().items())
 
     def reader(self, schema: object) -> DataSourceReader:
         return PgCopyReader(_unpickled(self.options["copy"]), _unpickled(self.options["ranges"]))
@@ -127,13 +180,18 @@ class PgCopyReader(DataSourceReader):
         print(f"cdc_apply copy task {partition.value} of {copy.table.qualified_name}: {len(ranges)} range(s), "
               f"pages {pages_read}", file=sys.stderr, flush=True)
         for pages in ranges:
-            for chunk in read_range(copy.conninfo, copy.snapshot, copy.table, pages, copy.chunk_rows):
-                yield chunk_batch(copy, chunk, codec)
+            batches = (chunk_batch(copy, chunk, codec)
+                       for chunk in read_range(copy.conninfo, copy.snapshot, copy.table, pages, copy.chunk_rows))
+            if copy.files_root is None:
+                yield from batches
+            elif (written := write_file(copy, batches, partition.value)) is not None:  # type: ignore[attr-defined]
+                yield written
 
 
 def copy_frame(spark: SparkSession, copy: TableCopy, ranges: Sequence[CopyRange], tasks: int) -> DataFrame:
     """The ranges' rows as a DataFrame of the target's columns, read by ``tasks`` Spark tasks (each
-    range whole in one task, spread round robin so that neighbouring ranges run at once)."""
+    range whole in one task, spread round robin so that neighbouring ranges run at once); with
+    ``copy.files_root``, the files the tasks wrote (``FILE_COLUMNS``)."""
     tasks = max(1, min(tasks, len(ranges)))
     spread = [list(ranges[i::tasks]) for i in range(tasks)]
     return (spark.read.format("pgcopy").option("copy", _pickled(copy)).option("ranges", _pickled(spread)).load())
@@ -178,5 +236,5 @@ def _unpickled(text: str):  # type: ignore[no-untyped-def]
     return pickle.loads(base64.b64decode(text))
 
 
-__all__ = ["NEEDS_DRIVER", "CopyNeedsDriver", "PgCopyDataSource", "TableCopy", "chunk_batch", "copy_frame",
-           "task_errors"]
+__all__ = ["FILE_COLUMNS", "NEEDS_DRIVER", "CopyNeedsDriver", "PgCopyDataSource", "TableCopy", "chunk_batch",
+           "copy_frame", "task_errors", "write_file"]
