@@ -296,7 +296,8 @@ class Snapshotter:
         """One commit of the files the tasks wrote for ``wave``; returns the rows they hold. A failed
         task's files, and a wave's files when the run dies before this commit, are in no commit
         (VACUUM removes them)."""
-        written = [WrittenFile(row.path, row.size, row.rows) for row in copy_frame(spark, job, wave, tasks).collect()]
+        written = [WrittenFile(row.path, row.size, row.rows, row.stats)
+                   for row in copy_frame(spark, job, wave, tasks).collect()]
         files.commit(written, metadata)
         return sum(file.rows for file in written)
 

@@ -411,13 +411,14 @@ class WrittenFile:
     path: str  # relative to the table's root
     size: int
     rows: int
+    stats: str  # Delta's statistics JSON (numRecords, and min/max values where the writer knows them exactly)
 
 
 class FileAppend:
     """One append commit of files written outside Delta's writer, opened before they are written:
     they are written with this transaction's physical column names, and the commit fails if the
-    table's metadata changed since (Delta's conflict check). The files carry only their row count
-    as statistics: a reader skips none of them by their values."""
+    table's metadata changed since (Delta's conflict check). The files carry the statistics their
+    writer gives (``WrittenFile.stats``)."""
 
     def __init__(self, spark: SparkSession, transaction: Any) -> None:
         self.spark = spark
@@ -434,7 +435,7 @@ class FileAppend:
         action = jvm.org.apache.spark.sql.delta.actions.Action
         adds = [action.fromJson(json.dumps({"add": {
             "path": file.path, "partitionValues": {}, "size": file.size, "modificationTime": now, "dataChange": True,
-            "stats": json.dumps({"numRecords": file.rows})}})) for file in files]
+            "stats": file.stats}})) for file in files]
         self._transaction.commit(_scala_seq(jvm, adds), _append_operation(jvm, user_metadata))
 
 

@@ -23,6 +23,8 @@ copies the table its own way, which converts row by row, switches a column to te
 from __future__ import annotations
 
 import base64
+import datetime
+import json
 import os
 import pickle
 import re
@@ -107,7 +109,7 @@ def chunk_batch(copy: TableCopy, chunk: CopyData, codec: RelationCodec) -> pa.Re
     return pa.RecordBatch.from_arrays(arrays, names=list(copy.columns()))
 
 
-FILE_COLUMNS = "path STRING, size BIGINT, rows BIGINT"  # what a task that writes files yields, a row per file
+FILE_COLUMNS = "path STRING, size BIGINT, rows BIGINT, stats STRING"  # what a task that writes files yields
 
 
 def write_file(copy: TableCopy, batches: Iterator[pa.RecordBatch], task: int) -> pa.RecordBatch | None:
@@ -130,8 +132,46 @@ def write_file(copy: TableCopy, batches: Iterator[pa.RecordBatch], task: int) ->
             writer.close()
     if writer is None:
         return None
-    return pa.RecordBatch.from_pydict({"path": [name], "size": [os.path.getsize(path)], "rows": [rows]},
-                                      pa.schema([("path", pa.string()), ("size", pa.int64()), ("rows", pa.int64())]))
+    return pa.RecordBatch.from_pydict(
+        {"path": [name], "size": [os.path.getsize(path)], "rows": [rows], "stats": [file_statistics(path, rows)]},
+        pa.schema([("path", pa.string()), ("size", pa.int64()), ("rows", pa.int64()), ("stats", pa.string())]))
+
+
+_EPOCH = datetime.date(1970, 1, 1)
+_PYTHON_DAYS = ((datetime.date.min - _EPOCH).days, (datetime.date.max - _EPOCH).days)
+
+
+def file_statistics(path: str, rows: int) -> str:
+    """Delta's statistics of a written file (by physical column name): its row count, and the null
+    counts and exact min/max values of its integer and date columns, from the Parquet footer. Other
+    columns have none, and a reader skips no file by them: Delta's own writer truncates strings and
+    timestamps in ways these would have to match exactly, or a reader would skip files it must read."""
+    footer = pq.read_metadata(path)
+    types = {field.name: field.type for field in footer.schema.to_arrow_schema()}
+    minimum: dict[str, object] = {}
+    maximum: dict[str, object] = {}
+    nulls: dict[str, int] = {}
+    for index in range(footer.num_columns):
+        name = footer.row_group(0).column(index).path_in_schema
+        kind = types.get(name)  # None for a nested column's leaves
+        if kind is None or not (pa.types.is_signed_integer(kind) or pa.types.is_date32(kind)):
+            continue
+        groups = [footer.row_group(group).column(index).statistics for group in range(footer.num_row_groups)]
+        if any(stats is None or not stats.has_null_count for stats in groups):
+            continue
+        nulls[name] = sum(stats.null_count for stats in groups)
+        bounded = [stats for stats in groups if stats.has_min_max]
+        if not bounded:
+            continue
+        # The raw values: days since 1970 for a date, which may lie outside Python's years 1 to 9999.
+        low, high = min(stats.min_raw for stats in bounded), max(stats.max_raw for stats in bounded)
+        if pa.types.is_date32(kind):
+            if not _PYTHON_DAYS[0] <= low <= high <= _PYTHON_DAYS[1]:
+                continue
+            low, high = (str(_EPOCH + datetime.timedelta(days=days)) for days in (low, high))  # yyyy-mm-dd
+        minimum[name], maximum[name] = low, high
+    return json.dumps({"numRecords": rows, "minValues": minimum, "maxValues": maximum, "nullCount": nulls,
+                       "tightBounds": True})
 
 
 def _physical_field(copy: TableCopy, column: pa.Field) -> pa.Field:
@@ -237,4 +277,4 @@ def _unpickled(text: str):  # type: ignore[no-untyped-def]
 
 
 __all__ = ["FILE_COLUMNS", "NEEDS_DRIVER", "CopyNeedsDriver", "PgCopyDataSource", "TableCopy", "chunk_batch",
-           "copy_frame", "task_errors", "write_file"]
+           "copy_frame", "file_statistics", "task_errors", "write_file"]
