@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
+import pyarrow.parquet as pq
 import pytest
 
 from cdc_apply.pgserver import free_port
@@ -115,6 +116,10 @@ def test_spark_submit_job_on_a_standalone_cluster_then_local(db18, spark, tmp_pa
     assert worker_log.count("Asked to launch executor") == 1  # the copy ran on the cluster's worker, the changes locally
     executor_logs = "".join(path.read_text() for path in (tmp_path / "work").glob("app-*/*/stderr"))
     assert "cdc_apply copy task 0 of public.stock: " in executor_logs and "pages public.stock:0..1" in executor_logs
+    # The worker's task wrote the copy's Parquet files itself (pyarrow), not Spark's writer.
+    writers = {pq.ParquetFile(file).metadata.created_by.split(" version")[0]
+               for file in (tmp_path / "wh" / "public" / "stock").glob("*.parquet")}
+    assert "parquet-cpp-arrow" in writers, writers
 
 
 def test_airflow_dag_runs_a_batch_and_returns_its_summary(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
