@@ -255,7 +255,8 @@ class Target:
         fields = json.loads(metadata.schema().json())["fields"]
         configuration = _scala_map(metadata.configuration())
         mapped = configuration.get("delta.columnMapping.mode", "none") != "none"
-        if metadata.partitionColumns().nonEmpty() or (mapped and any("struct" in json.dumps(f["type"]) for f in fields)):
+        nested = any("struct" in json.dumps(f["type"]) for f in fields)
+        if metadata.partitionColumns().nonEmpty() or (mapped and nested):
             return None
         # What Delta's writer enforces or fills in for a table cdc_apply adopted: CHECK constraints,
         # invariants, generated and identity columns, UniForm's Iceberg metadata.

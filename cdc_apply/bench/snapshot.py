@@ -169,7 +169,8 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
             # this process's resident set and be counted in the copy's peak (measured in round 1).
             product: dict[str, tuple[int, float]] = {}
             for writer, config in by_writer.items():
-                applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(server.dsn).missing_value)
+                applier = BatchApplier(spark, apply_options(config),
+                                       missing_value=SourceCatalog(server.dsn).missing_value)
 
                 def product_copy() -> int:
                     copied = Snapshotter(config, applier).sync()  # noqa: B023 - called at once, in this round

@@ -10,7 +10,7 @@ target's columns: a task holds one chunk at a time, the driver none.
 
 With ``files_root`` set, a task writes each range's batches into one Parquet file of the table's
 directory itself (pyarrow, with the table's physical column names) and yields only the file's
-path, size and rows: the driver commits them (``apply/targets.FileAppend``). Spark's Arrow
+path, size, rows and statistics: the driver commits them (``apply/targets.FileAppend``). Spark's Arrow
 hand-over and the JVM's Parquet writer were about half of a copy's time (docs/live.md, "Initial
 copy on Spark's executors").
 
@@ -147,6 +147,8 @@ def file_statistics(path: str, rows: int) -> str:
     columns have none, and a reader skips no file by them: Delta's own writer truncates strings and
     timestamps in ways these would have to match exactly, or a reader would skip files it must read."""
     footer = pq.read_metadata(path)
+    if not footer.num_row_groups:
+        return json.dumps({"numRecords": rows})
     types = {field.name: field.type for field in footer.schema.to_arrow_schema()}
     minimum: dict[str, object] = {}
     maximum: dict[str, object] = {}
