@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +71,34 @@ delta_rs_left_out: dict[str, set[str]] = {}
 delta_rs_reads = [0]  # reads compared with Spark's, for the session summary (conftest.py)
 
 
+def parquet_writers(path: str) -> set[str]:
+    """Who wrote the table's Parquet files (``created_by`` without its version): ``parquet-mr`` for
+    Delta's writer, ``parquet-cpp-arrow`` for the copy's tasks."""
+    import pyarrow.parquet as pq
+
+    return {pq.ParquetFile(file).metadata.created_by.split(" version")[0] for file in Path(path).glob("*.parquet")}
+
+
+def log_actions(path: str) -> Iterator[dict[str, Any]]:
+    """Every action of the table's JSON log, oldest first."""
+    for entry in sorted(Path(path, "_delta_log").glob("*.json")):
+        for line in entry.read_text().splitlines():
+            yield json.loads(line)
+
+
 def reader_features(path: str) -> set[str]:
     """The reader features of the table's newest protocol action, from its JSON log."""
     features: set[str] = set()
-    for entry in sorted(Path(path, "_delta_log").glob("*.json")):
-        for line in entry.read_text().splitlines():
-            action = json.loads(line)
-            if "protocol" in action:
-                features = set(action["protocol"].get("readerFeatures") or [])
+    for action in log_actions(path):
+        if "protocol" in action:
+            features = set(action["protocol"].get("readerFeatures") or [])
     return features
+
+
+def file_statistics(path: str) -> list[dict[str, Any]]:
+    """The statistics of every file a commit of the table's JSON log added."""
+    return [json.loads(action["add"]["stats"]) for action in log_actions(path)
+            if "add" in action and action["add"].get("stats")]
 
 
 def _arrow_carried(array: pa.Array) -> pa.Array:

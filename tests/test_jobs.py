@@ -13,11 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
-import pyarrow.parquet as pq
 import pytest
 
 from cdc_apply.pgserver import free_port
-from tests.delta_oracle import delta_rows, source_types
+from tests.delta_oracle import delta_rows, parquet_writers, source_types
 from tests.reference_apply import postgres_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,8 +116,7 @@ def test_spark_submit_job_on_a_standalone_cluster_then_local(db18, spark, tmp_pa
     executor_logs = "".join(path.read_text() for path in (tmp_path / "work").glob("app-*/*/stderr"))
     assert "cdc_apply copy task 0 of public.stock: " in executor_logs and "pages public.stock:0..1" in executor_logs
     # The worker's task wrote the copy's Parquet files itself (pyarrow), not Spark's writer.
-    writers = {pq.ParquetFile(file).metadata.created_by.split(" version")[0]
-               for file in (tmp_path / "wh" / "public" / "stock").glob("*.parquet")}
+    writers = parquet_writers(str(tmp_path / "wh" / "public" / "stock"))
     assert "parquet-cpp-arrow" in writers, writers
 
 

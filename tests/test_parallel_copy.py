@@ -6,11 +6,9 @@ changes on top; then every target equals PostgreSQL, read by Spark and by delta-
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
-from pathlib import Path
 
 import psycopg
 
@@ -18,7 +16,7 @@ from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import Target
 from cdc_apply.config import parse_config
 from cdc_apply.pipeline import drain
-from tests.delta_oracle import _arrow_carried, delta_rows, source_types
+from tests.delta_oracle import _arrow_carried, delta_rows, file_statistics, parquet_writers, source_types
 from tests.reference_apply import postgres_rows
 from tests.test_type_roundtrip import MATRIX
 
@@ -154,28 +152,15 @@ def test_a_parallel_copy_under_writes_equals_postgres(any_db, spark, tmp_path) -
         # physical names where the target has them (the hostile names).
         for table in ("public.typed", "public.odd/../na`me"):
             path, _ = locations[COMPARED[table][1]].default_target(*table.split(".", 1))
-            assert "parquet-cpp-arrow" in _parquet_writers(path), table
+            assert "parquet-cpp-arrow" in parquet_writers(path), table
         # Their files carry exact min/max values of integer columns: filters that skip files by them
         # read what PostgreSQL holds.
-        assert any("id" in stats.get("minValues", {}) for stats in _file_statistics(f"{warehouse}/public/typed"))
+        assert any("id" in stats.get("minValues", {}) for stats in file_statistics(f"{warehouse}/public/typed"))
         ids = [row[0] for row in conn.execute("SELECT id FROM typed").fetchall()]
         frame = spark.read.format("delta").load(f"{warehouse}/public/typed")
         for low, high in ((min(ids), sorted(ids)[len(ids) // 3]), (sorted(ids)[len(ids) // 2], max(ids)),
                           (max(ids) + 1, max(ids) + 10)):
             assert frame.where(f"id BETWEEN {low} AND {high}").count() == sum(low <= i <= high for i in ids)
-
-
-def _file_statistics(path: str) -> list[dict[str, object]]:
-    """The statistics of every file a commit of the table's log added."""
-    adds = [json.loads(line)["add"] for log in sorted(Path(path, "_delta_log").glob("*.json"))
-            for line in log.read_text().splitlines() if '"add"' in line[:8]]
-    return [json.loads(add["stats"]) for add in adds if add.get("stats")]
-
-
-def _parquet_writers(path: str) -> set[str]:
-    import pyarrow.parquet as pq
-
-    return {pq.ParquetFile(file).metadata.created_by.split(" version")[0] for file in Path(path).glob("*.parquet")}
 
 
 def _assert_same_rows(spark, path: str, other: str) -> None:  # type: ignore[no-untyped-def]

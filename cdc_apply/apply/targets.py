@@ -263,7 +263,7 @@ class Target:
         if any(set(f["metadata"]) - _PLAIN_FIELD_METADATA for f in fields) or any(
                 key.startswith(_WRITER_ENFORCED) for key in configuration):
             return None
-        return FileAppend(self.spark, transaction)
+        return FileAppend(self.spark, transaction, fields)
 
     @property
     def local_root(self) -> str:
@@ -421,10 +421,10 @@ class FileAppend:
     table's metadata changed since (Delta's conflict check). The files carry the statistics their
     writer gives (``WrittenFile.stats``)."""
 
-    def __init__(self, spark: SparkSession, transaction: Any) -> None:
+    def __init__(self, spark: SparkSession, transaction: Any, fields: list[dict[str, Any]]) -> None:
+        """``fields``: the transaction's schema fields, as Delta's JSON."""
         self.spark = spark
         self._transaction = transaction
-        fields = json.loads(transaction.metadata().schema().json())["fields"]
         # With column mapping, a column's Parquet name is its physical name (and its field id).
         self.physical_columns: dict[str, tuple[str, int | None]] = {
             field["name"]: (field["metadata"].get("delta.columnMapping.physicalName", field["name"]),
