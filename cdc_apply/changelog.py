@@ -25,14 +25,16 @@ from __future__ import annotations
 import gc
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from cdc_apply.apply.sessionconf import delta_commit_conf
-from cdc_apply.apply.targets import KnownVersionAppend, Target, sql_string
+from cdc_apply.apply.files import WrittenFile, new_file_name, write_parquet_file
+from cdc_apply.apply.targets import FileAppend, KnownVersionAppend, Target, sql_string
 from cdc_apply.assemble import SpilledChanges, Transaction
 from cdc_apply.config import Config
 from cdc_apply.errors import CdcApplyError
@@ -82,6 +84,7 @@ class ChangeLog:
         self._ready = False
         self.piece_bytes = min(LOG_PIECE_BYTES, config.batching.spill_bytes)
         self.pieces_written = 0  # pieces of spilled transactions in the last append
+        self._layout_types: dict[str, Any] | None = None  # the layout's Spark types, by column
 
     def _identity(self) -> str:
         return json.dumps({"pipeline": self.pipeline, "layout": LAYOUT}, sort_keys=True)
@@ -139,52 +142,91 @@ class ChangeLog:
             if not transactions:
                 return 0
         version = transactions[-1].commit_lsn
-        append = self.target.open_known_version_append(self.app_id, self.target.log_version())
-        rows = self._write_parts(append, transactions) if append is not None else None
-        if append is not None and rows is not None:
+        metadata = self._metadata(transactions)
+        read_at = self.target.log_version()
+        files = self.target.open_file_append(("relation_oid",), self.app_id, read_at)
+        if files is not None and self._takes_layout(files.fields):
+            written = self._write_files(files, transactions)
+            rows = sum(file.rows for file in written)
             # The only writer of the log, this pipeline read the version it holds (``ensure``) and
             # has written every version since: the log does not hold this one.
-            append.commit(version, self._metadata(transactions, rows))
+            files.commit(written, metadata(rows), version)
+        elif (append := self.target.open_known_version_append(self.app_id, read_at)) is not None and \
+                (rows := self._write_frames(append, transactions)) is not None:  # a catalog table, object storage
+            append.commit(version, metadata(rows))
         else:  # the table's columns are not this layout's: Delta's own checked append says why
-            table = self._arrow(transactions)
-            rows = table.num_rows
-            with delta_commit_conf(self.spark, self.app_id, version, self._metadata(transactions, rows)):
+            table = self._table([b for batches in self._parts(transactions) for b in batches])
+            with delta_commit_conf(self.spark, self.app_id, version, metadata(table.num_rows)):
                 self.target.write(self.spark.createDataFrame(table, SPARK_DDL), "append")
+            rows = table.num_rows
+        if self.pieces_written:
+            log.info("change log: %d rows, %d piece(s) of spilled transactions, in one commit", rows,
+                     self.pieces_written)
         self._version = version
         return rows
 
-    def _metadata(self, transactions: Sequence[Transaction], rows: int) -> str:
-        return json.dumps({"cdc_apply": "changelog", "pipeline": self.pipeline, "rows": rows,
-                           "first_lsn": format_lsn(transactions[0].commit_lsn),
-                           "last_lsn": format_lsn(transactions[-1].commit_lsn)}, sort_keys=True)
+    def _metadata(self, transactions: Sequence[Transaction]) -> Callable[[int], str]:
+        def metadata(rows: int) -> str:
+            return json.dumps({"cdc_apply": "changelog", "pipeline": self.pipeline, "rows": rows,
+                               "first_lsn": format_lsn(transactions[0].commit_lsn),
+                               "last_lsn": format_lsn(transactions[-1].commit_lsn)}, sort_keys=True)
+        return metadata
 
-    def _write_parts(self, append: KnownVersionAppend, transactions: Sequence[Transaction]) -> int | None:
-        """The transactions held in memory as one frame, then each spilled one a piece at a time, into
-        files of ``append``; the rows written, or None when the table did not take a frame."""
-        def parts() -> Iterator[list[Transaction]]:  # lazily: one piece of a spilled transaction at a time
-            yield [t for t in transactions if not isinstance(t.changes, SpilledChanges)]
-            for txn in transactions:
-                if isinstance(txn.changes, SpilledChanges):
-                    yield from ([replace(txn, changes=piece)] for piece in txn.changes.pieces(self.piece_bytes))
+    def _takes_layout(self, fields: list[dict[str, Any]]) -> bool:
+        """Whether the table's columns are this layout's (else Delta's own append says what differs)."""
+        from pyspark.sql.types import StructType
 
-        rows = number = 0
-        for number, part in enumerate(parts()):
-            if number and number % 16 == 0:
-                gc.collect()  # py4j lets a written frame's rows go only when the cycle collector runs
-            table = self._arrow(part)
+        if self._layout_types is None:
+            self._layout_types = {f.name: f.dataType for f in self.spark.createDataFrame([], SPARK_DDL).schema.fields}
+        table = StructType.fromJson({"type": "struct", "fields": fields})
+        return {f.name: f.dataType for f in table.fields} == self._layout_types
+
+    def _parts(self, transactions: Sequence[Transaction]) -> Iterator[list[pa.RecordBatch]]:
+        """The batch's change rows in parts, lazily: the transactions held in memory, then each
+        spilled one a piece at a time (``piece_bytes`` of messages), so the driver never holds it
+        whole. Counts the pieces in ``pieces_written``."""
+        self.pieces_written = 0
+        yield list(record_batches([t for t in transactions if not isinstance(t.changes, SpilledChanges)]))
+        for txn in transactions:
+            if isinstance(txn.changes, SpilledChanges):
+                for piece in txn.changes.pieces(self.piece_bytes):
+                    self.pieces_written += 1
+                    if self.pieces_written % 16 == 0:
+                        gc.collect()  # py4j lets a written frame's rows go only when the cycle collector runs
+                    yield list(record_batches([replace(txn, changes=piece)]))
+
+    def _write_frames(self, append: KnownVersionAppend, transactions: Sequence[Transaction]) -> int | None:
+        """Each part's rows as one frame written into files of ``append``; the rows written, or None
+        when the table did not take a frame."""
+        rows = 0
+        for batches in self._parts(transactions):
+            table = self._table(batches)
             if table.num_rows:
                 if not append.write(self.spark.createDataFrame(table, SPARK_DDL)):
                     return None
                 rows += table.num_rows
-        self.pieces_written = number
-        if self.pieces_written:
-            log.info("change log: %d rows, %d piece(s) of spilled transactions, in one commit", rows,
-                     self.pieces_written)
         return rows
 
+    def _write_files(self, files: FileAppend, transactions: Sequence[Transaction]) -> list[WrittenFile]:
+        """Each part's rows in one Parquet file per table (``relation_oid``: the partition), in the
+        table's directory; the files, for ``files`` to commit."""
+        written = []
+        for batches in self._parts(transactions):
+            by_relation: dict[int, list[pa.RecordBatch]] = {}
+            for batch in batches:  # one table's segment, as record_batches cuts them
+                oids = pc.unique(batch["relation_oid"]).to_pylist()
+                for oid in oids:
+                    rows = batch if len(oids) == 1 else batch.filter(pc.equal(batch["relation_oid"], oid))
+                    by_relation.setdefault(oid, []).append(rows.drop_columns(["relation_oid"]))
+            for oid, group in by_relation.items():
+                file = write_parquet_file(self.target.local_root, f"relation_oid={oid}/{new_file_name(0)}", group,
+                                          partition_values={"relation_oid": str(oid)})
+                if file is not None:
+                    written.append(file)
+        return written
+
     @staticmethod
-    def _arrow(transactions: Sequence[Transaction]) -> pa.Table:
-        batches = list(record_batches(transactions))
+    def _table(batches: list[pa.RecordBatch]) -> pa.Table:
         return pa.Table.from_batches(batches, SOURCE_SCHEMA) if batches else SOURCE_SCHEMA.empty_table()
 
     @property

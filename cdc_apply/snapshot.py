@@ -42,9 +42,10 @@ import psycopg
 
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.evolve import apply_actions
+from cdc_apply.apply.files import WrittenFile
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED
 from cdc_apply.apply.sessionconf import DataCommit
-from cdc_apply.apply.targets import FileAppend, Target, WrittenFile, quote
+from cdc_apply.apply.targets import FileAppend, Target, quote
 from cdc_apply.assemble import Transaction
 from cdc_apply.changerows.columns import inserted_images
 from cdc_apply.config import Config

@@ -76,7 +76,8 @@ def parquet_writers(path: str) -> set[str]:
     Delta's writer, ``parquet-cpp-arrow`` for the copy's tasks."""
     import pyarrow.parquet as pq
 
-    return {pq.ParquetFile(file).metadata.created_by.split(" version")[0] for file in Path(path).glob("*.parquet")}
+    return {pq.ParquetFile(file).metadata.created_by.split(" version")[0] for file in Path(path).rglob("*.parquet")
+            if "_delta_log" not in file.parts}
 
 
 def log_actions(path: str) -> Iterator[dict[str, Any]]:

@@ -10,9 +10,12 @@ import logging
 import re
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import psycopg
+import pyarrow as pa
 import pytest
+from deltalake import DeltaTable
 
 from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import Target
@@ -27,7 +30,7 @@ from cdc_apply.lsn import format_lsn
 from cdc_apply.pipeline import drain
 from cdc_apply.replay import replay_changelog
 from cdc_apply.status import pipeline_status
-from tests.delta_oracle import delta_rows, source_types
+from tests.delta_oracle import delta_rows, file_statistics, parquet_writers, source_types
 from tests.reference_apply import postgres_rows
 from tests.test_decode_cli import _cli
 from tests.test_live import assert_delta_equals_postgres
@@ -70,6 +73,21 @@ def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18
         assert rows.groupBy("commit_lsn", "xid", "seq", "relation_oid").count().where("count > 1").count() == 0
         assert rows.count() == first.changelog_rows + second.changelog_rows
         assert changelog.version == rows.agg({"commit_lsn": "max"}).collect()[0][0]
+        # The driver wrote the log's files itself (apply/files.py): one table's rows per partition
+        # directory, each file with the bounds of its commit LSNs, which an LSN range skips files by.
+        location = changelog.target.location
+        assert parquet_writers(location) == {"parquet-cpp-arrow"}
+        oids = {r.relation_oid for r in rows.select("relation_oid").distinct().collect()}
+        assert {p.name for p in Path(location).iterdir() if p.name.startswith("relation_oid=")} == \
+            {f"relation_oid={oid}" for oid in oids}
+        stats = file_statistics(location)
+        assert sum(s["numRecords"] for s in stats) == rows.count()
+        assert all(s["minValues"]["commit_lsn"] <= s["maxValues"]["commit_lsn"] for s in stats)
+        # delta-rs reads the same rows.
+        by_delta_rs = pa.RecordBatchReader.from_stream(DeltaTable(location).scan()).read_all()
+        keys = ("commit_lsn", "xid", "seq", "relation_oid")
+        assert sorted(zip(*(by_delta_rs[k].to_pylist() for k in keys))) == \
+            sorted(tuple(r) for r in rows.select(*keys).collect())
 
         rebuilt = str(tmp_path / "rebuilt")
         options = replace(apply_options(config), warehouse=rebuilt)

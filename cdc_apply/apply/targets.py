@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cdc_apply.apply.files import WrittenFile
 from cdc_apply.apply.options import (
     COMMIT_LSN, COMMIT_TS, CURRENT, DELETED, METADATA_PREFIX, VALID_FROM, VALID_TO, TableOptions,
 )
@@ -45,6 +46,15 @@ def _scala_map(entries: Any, value: Callable[[Any], Any] = str) -> dict[str, Any
     while iterator.hasNext():
         entry = iterator.next()
         found[str(entry._1())] = value(entry._2())
+    return found
+
+
+def _scala_list(items: Any) -> list[Any]:
+    """A Scala ``Seq`` from py4j as a list."""
+    iterator = items.iterator()
+    found = []
+    while iterator.hasNext():
+        found.append(iterator.next())
     return found
 
 
@@ -242,28 +252,37 @@ class Target:
         transaction.readTxn().addOne(app_id)
         return KnownVersionAppend(self.spark, transaction, app_id)
 
-    def open_file_append(self) -> FileAppend | None:
-        """An append of files that Spark's tasks write themselves (``FileAppend``); None when this
-        table takes only Delta's writer: a table by name, a location pyarrow's local file system
-        cannot write (object storage: the tasks do not share the JVM's Hadoop credentials), a
-        partitioned table, a struct column under column mapping (its fields have physical names of
-        their own), or what Delta's writer enforces or fills in."""
+    def open_file_append(self, partition_by: Sequence[str] = (), app_id: str | None = None,
+                         read_at: int | None = None) -> FileAppend | None:
+        """An append of files written outside Delta's writer (``FileAppend``); None when this table
+        takes only Delta's writer: a table by name, a location pyarrow's local file system cannot
+        write (object storage: the writers do not share the JVM's Hadoop credentials), a table
+        partitioned otherwise than ``partition_by`` (the columns the writer puts in the files'
+        directories), a struct column under column mapping (its fields have physical names of their
+        own), or what Delta's writer enforces or fills in. With ``app_id``, the commit records
+        ``app_id``'s next version as ``KnownVersionAppend`` does, and None also when the log has
+        moved past ``read_at``."""
         if self.by_name or not _local_path(self.location):
             return None
         transaction = self._delta_log().startTransaction()
+        if read_at is not None and int(transaction.snapshot().version()) != read_at:
+            return None
         metadata = transaction.metadata()
         fields = json.loads(metadata.schema().json())["fields"]
         configuration = _scala_map(metadata.configuration())
         mapped = configuration.get("delta.columnMapping.mode", "none") != "none"
         nested = any("struct" in json.dumps(f["type"]) for f in fields)
-        if metadata.partitionColumns().nonEmpty() or (mapped and nested):
+        partitioned = [str(column) for column in _scala_list(metadata.partitionColumns())]
+        if partitioned != list(partition_by) or (mapped and nested):
             return None
         # What Delta's writer enforces or fills in for a table cdc_apply adopted: CHECK constraints,
         # invariants, generated and identity columns, UniForm's Iceberg metadata.
         if any(set(f["metadata"]) - _PLAIN_FIELD_METADATA for f in fields) or any(
                 key.startswith(_WRITER_ENFORCED) for key in configuration):
             return None
-        return FileAppend(self.spark, transaction, fields)
+        if app_id is not None:
+            transaction.readTxn().addOne(app_id)
+        return FileAppend(self.spark, transaction, fields, app_id)
 
     @property
     def local_root(self) -> str:
@@ -398,46 +417,48 @@ class KnownVersionAppend:
 
     def commit(self, txn_version: int, user_metadata: str) -> None:
         jvm = self.spark._jvm  # type: ignore[attr-defined]
-        now = jvm.java.lang.Long.valueOf(str(int(time.time() * 1000)))
-        record = jvm.org.apache.spark.sql.delta.actions.SetTransaction(self.app_id, txn_version, jvm.scala.Some(now))
         actions = _scala_seq(jvm, []) if self._files is None else self._files
-        self._transaction.commit(actions.appended(record), _append_operation(jvm, user_metadata))
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    """A Parquet file that a Spark task wrote into a table's directory itself (the initial copy's
-    tasks, ``spark/pgcopy.py``): not part of the table until a ``FileAppend`` commits it."""
-
-    path: str  # relative to the table's root
-    size: int
-    rows: int
-    stats: str  # Delta's statistics JSON (numRecords, and min/max values where the writer knows them exactly)
+        self._transaction.commit(actions.appended(_set_transaction(jvm, self.app_id, txn_version)),
+                                 _append_operation(jvm, user_metadata))
 
 
 class FileAppend:
     """One append commit of files written outside Delta's writer, opened before they are written:
     they are written with this transaction's physical column names, and the commit fails if the
     table's metadata changed since (Delta's conflict check). The files carry the statistics their
-    writer gives (``WrittenFile.stats``)."""
+    writer gives (``WrittenFile.stats``). With an ``app_id``, the commit also records its version,
+    unchecked, as ``KnownVersionAppend`` does (the caller read that the table does not hold it)."""
 
-    def __init__(self, spark: SparkSession, transaction: Any, fields: list[dict[str, Any]]) -> None:
+    def __init__(self, spark: SparkSession, transaction: Any, fields: list[dict[str, Any]],
+                 app_id: str | None = None) -> None:
         """``fields``: the transaction's schema fields, as Delta's JSON."""
         self.spark = spark
+        self.app_id = app_id
         self._transaction = transaction
+        self.fields = fields
         # With column mapping, a column's Parquet name is its physical name (and its field id).
         self.physical_columns: dict[str, tuple[str, int | None]] = {
             field["name"]: (field["metadata"].get("delta.columnMapping.physicalName", field["name"]),
                             field["metadata"].get("delta.columnMapping.id")) for field in fields}
 
-    def commit(self, files: Sequence[WrittenFile], user_metadata: str) -> None:
+    def commit(self, files: Sequence[WrittenFile], user_metadata: str, txn_version: int | None = None) -> None:
+        """``files`` in one commit; with the ``app_id``, ``txn_version`` recorded as its version."""
         jvm = self.spark._jvm  # type: ignore[attr-defined]
         now = int(time.time() * 1000)
         action = jvm.org.apache.spark.sql.delta.actions.Action
-        adds = [action.fromJson(json.dumps({"add": {
-            "path": file.path, "partitionValues": {}, "size": file.size, "modificationTime": now, "dataChange": True,
-            "stats": file.stats}})) for file in files]
-        self._transaction.commit(_scala_seq(jvm, adds), _append_operation(jvm, user_metadata))
+        actions = [action.fromJson(json.dumps({"add": {
+            "path": file.path, "partitionValues": dict(file.partition_values), "size": file.size,
+            "modificationTime": now, "dataChange": True, "stats": file.stats}})) for file in files]
+        if self.app_id is not None:
+            assert txn_version is not None
+            actions.append(_set_transaction(jvm, self.app_id, txn_version))
+        self._transaction.commit(_scala_seq(jvm, actions), _append_operation(jvm, user_metadata))
+
+
+def _set_transaction(jvm: Any, app_id: str, txn_version: int) -> Any:
+    """The action that records ``app_id``'s ``txn_version`` (Delta's ``txnAppId``/``txnVersion``)."""
+    now = jvm.java.lang.Long.valueOf(str(int(time.time() * 1000)))
+    return jvm.org.apache.spark.sql.delta.actions.SetTransaction(app_id, txn_version, jvm.scala.Some(now))
 
 
 def _scala_seq(jvm: Any, items: Sequence[Any]) -> Any:

@@ -23,22 +23,18 @@ copies the table its own way, which converts row by row, switches a column to te
 from __future__ import annotations
 
 import base64
-import datetime
-import json
-import os
 import pickle
 import re
 import sys
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
+from cdc_apply.apply.files import new_file_name, write_parquet_file
 from cdc_apply.changerows.codec import RelationCodec, UnrepresentableColumnError
 from cdc_apply.changerows.columns import NotArrowRepresentable, text_column
 from cdc_apply.errors import CdcApplyError
@@ -113,72 +109,15 @@ FILE_COLUMNS = "path STRING, size BIGINT, rows BIGINT, stats STRING"  # what a t
 
 
 def write_file(copy: TableCopy, batches: Iterator[pa.RecordBatch], task: int) -> pa.RecordBatch | None:
-    """``batches`` in one new Parquet file under ``copy.files_root``, named as Spark names its own;
-    the file's row (``FILE_COLUMNS``), or None when there were no rows."""
+    """``batches`` in one new Parquet file under ``copy.files_root`` (``apply/files.py``); the file's
+    row (``FILE_COLUMNS``), or None when there were no rows."""
     assert copy.files_root is not None
-    writer: pq.ParquetWriter | None = None
-    name = f"part-{task:05d}-{uuid.uuid4()}-c000.snappy.parquet"
-    path = os.path.join(copy.files_root, name)
-    rows = 0
-    try:
-        for batch in batches:
-            if writer is None:
-                schema = pa.schema([_physical_field(copy, f) for f in batch.schema])
-                writer = pq.ParquetWriter(path, schema, compression="snappy")
-            writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=writer.schema))
-            rows += batch.num_rows
-    finally:
-        if writer is not None:
-            writer.close()
-    if writer is None:
+    written = write_parquet_file(copy.files_root, new_file_name(task), batches, copy.physical_columns)
+    if written is None:
         return None
     return pa.RecordBatch.from_pydict(
-        {"path": [name], "size": [os.path.getsize(path)], "rows": [rows], "stats": [file_statistics(path, rows)]},
+        {"path": [written.path], "size": [written.size], "rows": [written.rows], "stats": [written.stats]},
         pa.schema([("path", pa.string()), ("size", pa.int64()), ("rows", pa.int64()), ("stats", pa.string())]))
-
-
-_EPOCH = datetime.date(1970, 1, 1)
-_PYTHON_DAYS = ((datetime.date.min - _EPOCH).days, (datetime.date.max - _EPOCH).days)
-
-
-def file_statistics(path: str, rows: int) -> str:
-    """Delta's statistics of a written file (by physical column name): its row count, and the null
-    counts and exact min/max values of its integer and date columns, from the Parquet footer. Other
-    columns have none, and a reader skips no file by them: Delta's own writer truncates strings and
-    timestamps in ways these would have to match exactly, or a reader would skip files it must read."""
-    footer = pq.read_metadata(path)
-    if not footer.num_row_groups:
-        return json.dumps({"numRecords": rows})
-    types = {field.name: field.type for field in footer.schema.to_arrow_schema()}
-    minimum: dict[str, object] = {}
-    maximum: dict[str, object] = {}
-    nulls: dict[str, int] = {}
-    for index in range(footer.num_columns):
-        name = footer.row_group(0).column(index).path_in_schema
-        kind = types.get(name)  # None for a nested column's leaves
-        if kind is None or not (pa.types.is_signed_integer(kind) or pa.types.is_date32(kind)):
-            continue
-        groups = [footer.row_group(group).column(index).statistics for group in range(footer.num_row_groups)]
-        if any(stats is None or not stats.has_null_count for stats in groups):
-            continue
-        nulls[name] = sum(stats.null_count for stats in groups)
-        bounded = [stats for stats in groups if stats.has_min_max]
-        if not bounded:
-            continue
-        # The raw values: days since 1970 for a date, which may lie outside Python's years 1 to 9999.
-        low, high = min(stats.min_raw for stats in bounded), max(stats.max_raw for stats in bounded)
-        if pa.types.is_date32(kind):
-            if not _PYTHON_DAYS[0] <= low <= high <= _PYTHON_DAYS[1]:
-                continue
-            low, high = (str(_EPOCH + datetime.timedelta(days=days)) for days in (low, high))  # yyyy-mm-dd
-        minimum[name], maximum[name] = low, high
-    return json.dumps({"numRecords": rows, "minValues": minimum, "maxValues": maximum, "nullCount": nulls,
-                       "tightBounds": True})
-
-
-def _physical_field(copy: TableCopy, column: pa.Field) -> pa.Field:
-    name, field_id = copy.physical_columns.get(column.name, (column.name, None))
-    return pa.field(name, column.type, metadata=None if field_id is None else {b"PARQUET:field_id": str(field_id)})
 
 
 class CopyPartition(InputPartition):
@@ -279,4 +218,4 @@ def _unpickled(text: str):  # type: ignore[no-untyped-def]
 
 
 __all__ = ["FILE_COLUMNS", "NEEDS_DRIVER", "CopyNeedsDriver", "PgCopyDataSource", "TableCopy", "chunk_batch",
-           "copy_frame", "file_statistics", "task_errors", "write_file"]
+           "copy_frame", "task_errors", "write_file"]

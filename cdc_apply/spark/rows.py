@@ -120,14 +120,19 @@ def _text_map(parsed: ParsedSegment, image: ImageSpans, indexes: list[int]) -> p
     included = (kinds == m.KIND_TEXT) | (kinds == m.KIND_BINARY) | (kinds == m.KIND_NULL)
     offsets = np.zeros(rows + 1, np.int32)
     np.cumsum(included.sum(axis=1), out=offsets[1:])
-    values = [_as_postgres_text(parsed, names[i], kinds[:, j],
-                                gather_values(parsed.buf, kinds[:, j], image.starts[:, i], image.lengths[:, i]))
-              for j, i in enumerate(indexes)]
     row, position = np.nonzero(included)  # row-major: each row's columns in table order
-    stacked = pa.concat_arrays(values) if values else pa.array([], pa.large_binary())
-    items = stacked.take(pa.array(position * rows + row)).cast(pa.large_string()).cast(pa.string())
+    if (kinds == m.KIND_BINARY).any():  # values to render as text first, a column at a time
+        values = [_as_postgres_text(parsed, names[i], kinds[:, j],
+                                    gather_values(parsed.buf, kinds[:, j], image.starts[:, i], image.lengths[:, i]))
+                  for j, i in enumerate(indexes)]
+        stacked = pa.concat_arrays(values) if values else pa.array([], pa.large_binary())
+        items = stacked.take(pa.array(position * rows + row))
+    else:  # the items' bytes gathered in the map's own order, in one pass
+        column = np.asarray(indexes, np.int64)[position]
+        items = gather_values(parsed.buf, kinds[row, position], image.starts[row, column], image.lengths[row, column])
     keys = pa.array([names[i].name for i in indexes], pa.string()).take(pa.array(position))
-    result = pa.MapArray.from_arrays(pa.array(offsets), keys, items, mask=pa.array(~image.present))
+    result = pa.MapArray.from_arrays(pa.array(offsets), keys, items.cast(pa.large_string()).cast(pa.string()),
+                                     mask=pa.array(~image.present))
     return result if parsed.take is None else result.take(parsed.take)
 
 
