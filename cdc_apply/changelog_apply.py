@@ -41,7 +41,7 @@ from cdc_apply.assemble import DEFAULT_SPILL_BYTES, ChangeBuffer, SpilledChanges
 from cdc_apply.changelog import ChangeLog
 from cdc_apply.config import BatchingConfig, Config
 from cdc_apply.errors import CdcApplyError
-from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn, parse_lsn
+from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn, parse_lsn, pg_us_to_unix_us
 from cdc_apply.sink import RunSummary
 from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, micro_batch_changes, relation_of
 from cdc_apply.spark.log_collapse import REFUSED, collapse_on_executors, groups_for
@@ -58,9 +58,16 @@ class TargetsFromChangeLogFailed(CdcApplyError):
     """The follower thread stopped on an error: the stream stops too (the log keeps every batch)."""
 
 
-# At most this long the targets wait for the stream to work through a backlog (full batches) before
-# they take their share of the machine again: the targets may lag the log, never starve.
+# At most this long the targets wait for the stream to work through a backlog before they take their
+# share of the machine again: the targets may lag the log, never starve.
 BACKLOG_YIELD_S = 30.0
+# The stream is working through a backlog when its batches are full (``batching.max_changes``), or
+# when the newest transaction of a logged batch committed this long before the log held it: in the
+# steady state that lag is about a second (bench e2e --changelog: p99 1.8-2.0 s).
+BACKLOG_LAG_S = 5.0
+# ... and it has caught up when no batch came for this long (its batches come every
+# ``batching.max_seconds`` or faster while it has a backlog).
+BACKLOG_QUIET_S = 3.0
 
 Applied = Callable[[BatchResult, list[Transaction]], None]  # told each window applied
 
@@ -325,7 +332,8 @@ class TargetFollower:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._idle = threading.Condition()
-        self._backlog_since: float | None = None  # monotonic time the stream's batches became full
+        self._backlog_since: float | None = None  # monotonic time the stream's backlog was seen first
+        self._last_logged = time.monotonic()  # ... and when it last logged a batch
         self._queue: list[list[Transaction]] = []  # batches logged since the last read of the log
         self._queued_changes = 0
         self._chained = False  # the queue holds every batch logged after the targets' position
@@ -342,13 +350,16 @@ class TargetFollower:
         return self
 
     def logged(self, batch: list[Transaction]) -> None:
-        """The log holds ``batch`` now. A batch of ``max_changes`` means the stream is working through a
-        backlog: the follower then yields the machine to it (``BACKLOG_YIELD_S`` at most), so the
-        slot's confirmed position, which is what holds WAL on the server, catches up first."""
+        """The log holds ``batch`` now. A batch of ``max_changes``, or one whose newest transaction
+        committed more than ``BACKLOG_LAG_S`` ago, means the stream is working through a backlog: the
+        follower then yields the machine to it (``BACKLOG_YIELD_S`` at most), so the slot's confirmed
+        position, which is what holds WAL on the server, catches up first."""
         changes = sum(len(t.changes) for t in batch)
-        full = changes >= self.applier.max_changes
+        behind = bool(batch) and time.time() - pg_us_to_unix_us(batch[-1].commit_ts) / 1e6 > BACKLOG_LAG_S
+        backlog = behind or changes >= self.applier.max_changes
         with self._idle:
-            self._backlog_since = (self._backlog_since or time.monotonic()) if full else None
+            self._last_logged = time.monotonic()
+            self._backlog_since = (self._backlog_since or time.monotonic()) if backlog else None
             if self._queued_changes + changes > self.applier.max_changes or \
                     any(isinstance(t.changes, SpilledChanges) for t in batch):
                 self._chained = False
@@ -370,8 +381,9 @@ class TargetFollower:
     def _yield_to_a_backlog(self) -> None:
         while not self._stopping.is_set():
             with self._idle:
-                since = self._backlog_since
-            if since is None or time.monotonic() - since >= BACKLOG_YIELD_S:
+                since, last = self._backlog_since, self._last_logged
+            now = time.monotonic()
+            if since is None or now - since >= BACKLOG_YIELD_S or now - last >= BACKLOG_QUIET_S:
                 return
             self._stopping.wait(0.2)
 
