@@ -107,9 +107,20 @@ def _record_batch(columns: dict[str, pa.Array], segment: TableChanges, schema: p
     count = len(segment.changes)
     columns["end_lsn"] = pa.array([t.end_lsn for t in segment.transactions], pa.int64())
     columns["_cdc_relation"] = pa.array([encode_relation(segment.relation)]).take(np.zeros(count, np.int32))
-    columns["_cdc_change"] = pa.array([None if c.wire is None else outside_stream_block(c.wire, c.in_stream)
-                                       for c in segment.changes], pa.binary())
+    columns["_cdc_change"] = _binary_array([None if c.wire is None else outside_stream_block(c.wire, c.in_stream)
+                                            for c in segment.changes])
     return pa.RecordBatch.from_arrays([columns[f.name].cast(f.type) for f in schema], schema=schema)
+
+
+def _binary_array(values: list[bytes | None]) -> pa.Array:
+    """``values`` as one binary array whose data buffer is allocated once: ``pa.array`` grows it value
+    by value, which cost up to ten times more for a batch's messages (0.24 s for 100,000)."""
+    if any(value is None for value in values):
+        return pa.array(values, pa.binary())
+    offsets = np.zeros(len(values) + 1, np.int64)
+    np.cumsum(np.fromiter(map(len, values), np.int64, len(values)), out=offsets[1:])
+    return pa.Array.from_buffers(pa.large_binary(), len(values),
+                                 [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(values))]).cast(pa.binary())
 
 
 def _text_map(parsed: ParsedSegment, image: ImageSpans, indexes: list[int]) -> pa.Array:
