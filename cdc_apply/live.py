@@ -248,13 +248,14 @@ class BackgroundReplicator:
         while not self.replicator.summary.snapshots and self.thread.is_alive():
             time.sleep(0.2)
 
-    def wait_caught_up(self, timeout: float = 120.0) -> None:
-        """Until the slot is confirmed up to the server's WAL position now; raises what ended the
-        pipeline if it stops first."""
+    def wait_caught_up(self, timeout: float = 120.0, lsn: int | None = None) -> None:
+        """Until the slot is confirmed up to ``lsn`` (default: the server's WAL position now), and
+        the targets hold what the change log holds then; raises what ended the pipeline if it
+        stops first."""
         source = self.replicator.config.source
         started = time.monotonic()
         try:
-            wait_until_caught_up(source.conninfo(), source.slot, timeout, running=self.thread.is_alive)
+            wait_until_caught_up(source.conninfo(), source.slot, timeout, running=self.thread.is_alive, lsn=lsn)
         except RuntimeError:
             if self.error is not None:
                 raise self.error from None

@@ -22,6 +22,7 @@ from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.config import Config, parse_config
 from cdc_apply.live import BackgroundReplicator
 from cdc_apply.lsn import parse_lsn
+from cdc_apply.pgoutput.decoder import PgOutputDecoder
 from cdc_apply.pgoutput.framing import XLogData
 from cdc_apply.pgserver import PgServer
 from cdc_apply.sources.preflight import protocol_options
@@ -34,22 +35,32 @@ if TYPE_CHECKING:
     from cdc_apply.sink import RunSummary
 
 
-def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> tuple[int, float]:
-    """DML messages the walsender sends for the slot up to ``upto``, and the seconds it takes."""
+def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> tuple[int, float, int]:
+    """DML messages the walsender sends for the slot up to ``upto``, the seconds it takes, and the
+    end LSN of the last transaction among them: a pipeline has caught up with the backlog once its
+    slot is confirmed there. (The WAL goes on past it with records no slot reader is sent; the slot
+    moves over those only at the server's next keepalive, which is ``source.status_interval_seconds``
+    away at most: waiting for that made one catch-up figure 10 s slower than the next.)"""
     with psycopg.connect(server.dsn) as conn:
         options = protocol_options(config.source, server_version_num(conn))
     stream = WalSenderStream(server.dsn, slot, options)
     changes = 0
+    last_end = 0
+    decoder = PgOutputDecoder()
     started = time.perf_counter()
     stream.start()
     while stream.received_lsn < upto:
         for frame in stream.read(timeout=2.0):
-            if isinstance(frame, XLogData) and frame.payload[:1] in (b"I", b"U", b"D", b"T"):
-                changes += 1
+            if isinstance(frame, XLogData):
+                tag = frame.payload[:1]
+                if tag in (b"I", b"U", b"D", b"T"):
+                    changes += 1
+                elif tag in (b"C", b"c"):  # Commit, Stream Commit
+                    last_end = decoder.decode(frame.payload).end_lsn  # type: ignore[attr-defined]
         stream.send_status(0)
     seconds = time.perf_counter() - started
     stream.close()
-    return changes, seconds
+    return changes, seconds, last_end
 
 
 def steady_follow(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float,
@@ -80,15 +91,15 @@ def backlog(server: PgServer, seconds: float, sessions: int, seed: int = 2) -> i
         return parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
 
 
-def catchup_follow(server: PgServer, config: Config, spark: SparkSession) -> tuple[int, float, float]:
+def catchup_follow(server: PgServer, config: Config, spark: SparkSession, last_end: int) -> tuple[int, float, float]:
     """``run --follow`` over the slot's backlog: (changes applied, seconds until the slot is confirmed
-    up to the backlog's end, seconds until the targets hold it). Without ``confirm_after:
-    changelog`` the two times are one."""
+    up to ``last_end``, the end of the backlog's last transaction, seconds until the targets hold
+    it). Without ``confirm_after: changelog`` the two times are one."""
     pipeline = BackgroundReplicator(config, spark).start()
     started = time.perf_counter()
-    wait_until_caught_up(server.dsn, config.source.slot, 1800, running=pipeline.thread.is_alive)
+    wait_until_caught_up(server.dsn, config.source.slot, 1800, running=pipeline.thread.is_alive, lsn=last_end)
     confirmed = time.perf_counter() - started
-    pipeline.wait_caught_up(timeout=1800)
+    pipeline.wait_caught_up(timeout=1800, lsn=last_end)
     seconds = time.perf_counter() - started
     pipeline.finish()
     return sum(b.changes for b in pipeline.replicator.summary.batches), confirmed, seconds
@@ -156,8 +167,8 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             create_slot(conn, "delivery")
         upto = backlog(server, seconds, sessions)
-        delivered, delivery_seconds = _delivery(server, config, "delivery", upto)
-        catchup_changes, _, catchup_seconds = catchup_follow(server, config, spark)
+        delivered, delivery_seconds, last_end = _delivery(server, config, "delivery", upto)
+        catchup_changes, _, catchup_seconds = catchup_follow(server, config, spark, last_end)
         result = {
             "steady_changes_per_s": steady_rate,
             "lag_p50_s": steady.lag_percentile(0.5) or 0.0,
@@ -207,8 +218,8 @@ def _changelog_phases(server: PgServer, config: Config, spark: SparkSession, sec
     with psycopg.connect(server.dsn, autocommit=True) as conn:
         create_slot(conn, "delivery_changelog")
     upto = backlog(server, seconds, sessions, seed=6)
-    delivered, delivery_seconds = _delivery(server, config, "delivery_changelog", upto)
-    changes, confirmed_seconds, targets_seconds = catchup_follow(server, config, spark)
+    delivered, delivery_seconds, last_end = _delivery(server, config, "delivery_changelog", upto)
+    changes, confirmed_seconds, targets_seconds = catchup_follow(server, config, spark, last_end)
     delivery = delivered / delivery_seconds
     return {
         "changelog_lag_p50_s": steady.lag_percentile(0.5, steady.changelog_lag_seconds) or 0.0,

@@ -79,9 +79,9 @@ def bench_stream(seconds: float = 20.0, rate: float = 40.0, sessions: int = 2) -
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             create_slot(conn, "delivery")
         upto = backlog(server, seconds, sessions)
-        delivered, delivery_seconds = _delivery(server, follow, "delivery", upto)
+        delivered, delivery_seconds, last_end = _delivery(server, follow, "delivery", upto)
         result["delivery_changes_per_s"] = delivered / delivery_seconds
-        follow_changes, _, follow_took = catchup_follow(server, follow, spark)
+        follow_changes, _, follow_took = catchup_follow(server, follow, spark, last_end)
         for name, (changes, took) in (("follow", (follow_changes, follow_took)),
                                       ("stream", catchup_stream(stream, spark))):
             result[f"{name}_catchup_changes_per_s"] = changes / took

@@ -128,13 +128,14 @@ def confirmed_flush(conn: psycopg.Connection, slot: str) -> int:
 
 
 def wait_until_caught_up(conninfo: str, slot: str, timeout: float = 120.0,
-                         running: Callable[[], bool] = lambda: True) -> None:
-    """Until the slot's confirmed position reaches the WAL position at the time of the call.
-    ``running``: whether whatever confirms the slot is still at work (no use waiting once it stopped)."""
+                         running: Callable[[], bool] = lambda: True, lsn: int | None = None) -> None:
+    """Until the slot's confirmed position reaches ``lsn``, by default the WAL position at the time of
+    the call. ``running``: whether whatever confirms the slot is still at work (no use waiting once
+    it stopped)."""
     import time
 
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        target = current_wal_lsn(conn)
+        target = current_wal_lsn(conn) if lsn is None else lsn
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if confirmed_flush(conn, slot) >= target:
