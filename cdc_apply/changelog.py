@@ -6,7 +6,8 @@ bytes) and ``_cdc_relation`` (the Relation message in force), so that a replay
 (``replay.replay_changelog``) decodes what the first apply decoded, and converts with whatever
 type overrides it has then. The table is partitioned by ``relation_oid``: one table's changes
 are read from its own files, and an LSN range is skipped over by the files' ``commit_lsn``
-statistics.
+statistics. The driver writes the files itself with pyarrow (``apply/files.py``) and commits them
+(``targets.FileAppend``); a log by catalog name or on object storage goes through Spark's writer.
 
 Invariants:
 - Exactly once: each batch is one commit with ``txnAppId = <pipeline>/changelog`` and
@@ -49,10 +50,11 @@ log = logging.getLogger(__name__)
 LAYOUT = 1  # the columns of spark/rows.py's untyped rows, partitioned by relation_oid
 PROPERTY = "cdc_apply.changelog"
 TRIMMED_PROPERTY = "cdc_apply.changelog.trimmed_through"  # set by ``trim``: rows up to this LSN are gone
-# A piece of a spilled transaction costs the driver many times its size while it becomes text images,
-# Arrow and a Spark frame. Driver peak and slot confirmed for a 1 GB transaction (``bench memory
-# --megabytes 1024 --updates --changelog``): 8 MiB 346 MB / 73 s, 4 MiB 310 MB / 92 s; with 16 MiB
-# (MAX_PIECE_BYTES) the driver held up to 462 MB while the updates were appended.
+# A piece of a spilled transaction costs the driver many times its size while it becomes decoded
+# changes, text images and Arrow. Driver peak and slot confirmed for a 1 GB transaction (``bench
+# memory --megabytes 1024 --updates --changelog``), when each piece went through a Spark frame:
+# 8 MiB 346 MB / 73 s, 4 MiB 310 MB / 92 s, 16 MiB (MAX_PIECE_BYTES) up to 462 MB; since the driver
+# writes the pieces' files itself, 8 MiB 319 MB / 25 s.
 LOG_PIECE_BYTES = 8 * 1024 * 1024
 
 
@@ -192,7 +194,7 @@ class ChangeLog:
                 for piece in txn.changes.pieces(self.piece_bytes):
                     self.pieces_written += 1
                     if self.pieces_written % 16 == 0:
-                        gc.collect()  # py4j lets a written frame's rows go only when the cycle collector runs
+                        gc.collect()  # py4j lets a written frame's rows go only when the cycle collector runs (``_write_frames``)
                     yield list(record_batches([replace(txn, changes=piece)]))
 
     def _write_frames(self, append: KnownVersionAppend, transactions: Sequence[Transaction]) -> int | None:
