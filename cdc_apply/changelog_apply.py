@@ -63,11 +63,25 @@ class TargetsFromChangeLogFailed(CdcApplyError):
 BACKLOG_YIELD_S = 30.0
 # The stream is working through a backlog when its batches are full (``batching.max_changes``), or
 # when the newest transaction of a logged batch committed this long before the log held it: in the
-# steady state that lag is about a second (bench e2e --changelog: p99 1.8-2.0 s).
+# steady state that lag is about a second (bench e2e --changelog: p99 1.1-2.0 s).
 BACKLOG_LAG_S = 5.0
 # ... and it has caught up when no batch came for this long (its batches come every
 # ``batching.max_seconds`` or faster while it has a backlog).
 BACKLOG_QUIET_S = 3.0
+
+
+def shows_a_backlog(batch: list[Transaction], max_changes: int, now: float) -> bool:
+    """Whether a logged batch shows the stream working through a backlog at ``now`` (Unix seconds):
+    it is full, or its newest transaction committed more than ``BACKLOG_LAG_S`` before."""
+    changes = sum(len(t.changes) for t in batch)
+    return changes >= max_changes or (
+        bool(batch) and now - pg_us_to_unix_us(batch[-1].commit_ts) / 1e6 > BACKLOG_LAG_S)
+
+
+def still_yielding(backlog_since: float | None, last_logged: float, now: float) -> bool:
+    """Whether the targets still wait for the stream (monotonic seconds): a backlog was seen, less
+    than ``BACKLOG_YIELD_S`` ago, and a batch came within ``BACKLOG_QUIET_S``."""
+    return backlog_since is not None and now - backlog_since < BACKLOG_YIELD_S and now - last_logged < BACKLOG_QUIET_S
 
 Applied = Callable[[BatchResult, list[Transaction]], None]  # told each window applied
 
@@ -355,8 +369,7 @@ class TargetFollower:
         follower then yields the machine to it (``BACKLOG_YIELD_S`` at most), so the slot's confirmed
         position, which is what holds WAL on the server, catches up first."""
         changes = sum(len(t.changes) for t in batch)
-        behind = bool(batch) and time.time() - pg_us_to_unix_us(batch[-1].commit_ts) / 1e6 > BACKLOG_LAG_S
-        backlog = behind or changes >= self.applier.max_changes
+        backlog = shows_a_backlog(batch, self.applier.max_changes, time.time())
         with self._idle:
             self._last_logged = time.monotonic()
             self._backlog_since = (self._backlog_since or time.monotonic()) if backlog else None
@@ -382,8 +395,7 @@ class TargetFollower:
         while not self._stopping.is_set():
             with self._idle:
                 since, last = self._backlog_since, self._last_logged
-            now = time.monotonic()
-            if since is None or now - since >= BACKLOG_YIELD_S or now - last >= BACKLOG_QUIET_S:
+            if not still_yielding(since, last, time.monotonic()):
                 return
             self._stopping.wait(0.2)
 

@@ -73,7 +73,7 @@ delta_rs_reads = [0]  # reads compared with Spark's, for the session summary (co
 
 def parquet_writers(path: str) -> set[str]:
     """Who wrote the table's Parquet files (``created_by`` without its version): ``parquet-mr`` for
-    Delta's writer, ``parquet-cpp-arrow`` for the copy's tasks."""
+    Delta's writer, ``parquet-cpp-arrow`` for the copy's tasks and the change log's driver (``apply/files.py``)."""
     import pyarrow.parquet as pq
 
     return {pq.ParquetFile(file).metadata.created_by.split(" version")[0] for file in Path(path).rglob("*.parquet")

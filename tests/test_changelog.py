@@ -21,12 +21,16 @@ from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import Target
 from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.changelog import ChangeLog, ChangeLogError
-from cdc_apply.changelog_apply import AppliedPosition, transaction_windows
+from cdc_apply.assemble import Transaction
+from cdc_apply.changelog_apply import (
+    BACKLOG_LAG_S, BACKLOG_QUIET_S, BACKLOG_YIELD_S, AppliedPosition, shows_a_backlog, still_yielding,
+    transaction_windows,
+)
 from cdc_apply.cli import build_parser
 from cdc_apply.changelog_stream import start_changelog_stream
 from cdc_apply.config import ConfigError, parse_config
 from cdc_apply.live import BackgroundReplicator
-from cdc_apply.lsn import format_lsn
+from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn
 from cdc_apply.pipeline import drain
 from cdc_apply.replay import replay_changelog
 from cdc_apply.status import pipeline_status
@@ -235,6 +239,24 @@ def test_follow_changelog_keeps_the_targets_current_as_a_separate_streaming_job(
         in_process = _config(conninfo, warehouse, pipeline="separate", confirm_after="changelog")
         with pytest.raises(ConfigError, match="changelog.targets: cdc-apply follow-changelog"):
             start_changelog_stream(in_process, spark)
+
+
+def test_the_follower_yields_to_a_backlog_of_full_or_late_batches_until_the_stream_is_quiet() -> None:
+    now = time.time()
+
+    def batch(changes: int, committed_seconds_ago: float) -> list[Transaction]:
+        commit_us = int((now - committed_seconds_ago) * 1e6) - PG_EPOCH_OFFSET_US
+        return [Transaction(1, 100, 110, commit_us, [None] * changes)]  # type: ignore[list-item]
+
+    assert not shows_a_backlog(batch(10, 1.0), 100, now)  # the steady state
+    assert shows_a_backlog(batch(100, 1.0), 100, now)  # full
+    assert shows_a_backlog(batch(10, BACKLOG_LAG_S + 1), 100, now)  # late: cut by time, behind
+    assert not shows_a_backlog([], 100, now)
+
+    assert not still_yielding(None, 0.0, 10.0)  # no backlog seen
+    assert still_yielding(5.0, 9.0, 10.0)
+    assert not still_yielding(5.0, 10.0 - BACKLOG_QUIET_S, 10.0)  # no batch for a while: caught up
+    assert not still_yielding(10.0 - BACKLOG_YIELD_S, 10.0, 10.0)  # the targets never starve
 
 
 def test_windows_of_the_log_end_at_max_changes_or_max_bytes_and_keep_a_spilling_transaction_alone() -> None:
