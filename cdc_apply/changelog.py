@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -144,7 +144,6 @@ class ChangeLog:
             if not transactions:
                 return 0
         version = transactions[-1].commit_lsn
-        metadata = self._metadata(transactions)
         read_at = self.target.log_version()
         files = self.target.open_file_append(("relation_oid",), self.app_id, read_at)
         if files is not None and self._takes_layout(files.fields):
@@ -152,13 +151,13 @@ class ChangeLog:
             rows = sum(file.rows for file in written)
             # The only writer of the log, this pipeline read the version it holds (``ensure``) and
             # has written every version since: the log does not hold this one.
-            files.commit(written, metadata(rows), version)
+            files.commit(written, self._metadata(transactions, rows), version)
         elif (append := self.target.open_known_version_append(self.app_id, read_at)) is not None and \
                 (rows := self._write_frames(append, transactions)) is not None:  # a catalog table, object storage
-            append.commit(version, metadata(rows))
+            append.commit(version, self._metadata(transactions, rows))
         else:  # the table's columns are not this layout's: Delta's own checked append says why
             table = self._table([b for batches in self._parts(transactions) for b in batches])
-            with delta_commit_conf(self.spark, self.app_id, version, metadata(table.num_rows)):
+            with delta_commit_conf(self.spark, self.app_id, version, self._metadata(transactions, table.num_rows)):
                 self.target.write(self.spark.createDataFrame(table, SPARK_DDL), "append")
             rows = table.num_rows
         if self.pieces_written:
@@ -167,12 +166,10 @@ class ChangeLog:
         self._version = version
         return rows
 
-    def _metadata(self, transactions: Sequence[Transaction]) -> Callable[[int], str]:
-        def metadata(rows: int) -> str:
-            return json.dumps({"cdc_apply": "changelog", "pipeline": self.pipeline, "rows": rows,
-                               "first_lsn": format_lsn(transactions[0].commit_lsn),
-                               "last_lsn": format_lsn(transactions[-1].commit_lsn)}, sort_keys=True)
-        return metadata
+    def _metadata(self, transactions: Sequence[Transaction], rows: int) -> str:
+        return json.dumps({"cdc_apply": "changelog", "pipeline": self.pipeline, "rows": rows,
+                           "first_lsn": format_lsn(transactions[0].commit_lsn),
+                           "last_lsn": format_lsn(transactions[-1].commit_lsn)}, sort_keys=True)
 
     def _takes_layout(self, fields: list[dict[str, Any]]) -> bool:
         """Whether the table's columns are this layout's (else Delta's own append says what differs)."""
@@ -194,7 +191,8 @@ class ChangeLog:
                 for piece in txn.changes.pieces(self.piece_bytes):
                     self.pieces_written += 1
                     if self.pieces_written % 16 == 0:
-                        gc.collect()  # py4j lets a written frame's rows go only when the cycle collector runs (``_write_frames``)
+                        # py4j lets a written frame's rows go only when the cycle collector runs (``_write_frames``)
+                        gc.collect()
                     yield list(record_batches([replace(txn, changes=piece)]))
 
     def _write_frames(self, append: KnownVersionAppend, transactions: Sequence[Transaction]) -> int | None:
