@@ -217,7 +217,8 @@ class ChangeBuffer:
         self.count = 0
         # What the spilled changes are, known without reading them back (aborted ones included);
         # counted as they spill, so the per-change path of a transaction that never spills pays nothing.
-        self.spilled_by_subxid: Counter[int | None] = Counter()
+        # Made at the first spill: most transactions never spill, and a Counter costs a microsecond.
+        self.spilled_by_subxid: Counter[int | None] | None = None
         self.ops: set[str] = set()
         self.relations: dict[int, m.Relation] = {}  # id(relation) -> the definition
 
@@ -232,8 +233,10 @@ class ChangeBuffer:
     def _spill(self) -> None:
         if self.spill_file is None:
             self.spill_file = tempfile.TemporaryFile(prefix="cdc_apply_spill_", dir=self.spill_dir)
+            self.spilled_by_subxid = Counter()
         for record in _pieces(self.memory, SPILL_RECORD_BYTES):  # records small enough to read back one at a time
             pickle.dump(record, self.spill_file, protocol=pickle.HIGHEST_PROTOCOL)
+        assert self.spilled_by_subxid is not None
         self.spilled_by_subxid.update(change.subxid for change in self.memory)
         self.ops.update(change.op for change in self.memory)
         self.relations.update((id(change.relation), change.relation) for change in self.memory)
@@ -257,6 +260,7 @@ class ChangeBuffer:
             return changes
         if self.memory:
             self._spill()
+        assert self.spilled_by_subxid is not None
         aborted = sum(self.spilled_by_subxid[subxid] for subxid in self.aborted_subxids)
         changes = SpilledChanges(self.spill_file, frozenset(self.aborted_subxids), self.spilled_changes - aborted,
                                  frozenset(self.ops), self.relations)

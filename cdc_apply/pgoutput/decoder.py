@@ -251,6 +251,27 @@ PARSERS: dict[int, tuple[Parser, bool]] = {
 }
 
 
+# Begin and Commit come with every transaction and have a fixed length: one unpack each. The LSNs
+# are read signed, so one past 2^63 - 1 reads negative and goes to the field-by-field path, whose
+# error names it (as does any other length).
+_BEGIN = struct.Struct("!qqI")  # final LSN, commit timestamp, xid
+_COMMIT = struct.Struct("!Bqqq")  # flags, commit LSN, end LSN, commit timestamp
+_B, _C = ord("B"), ord("C")
+
+
+def _fixed_length(data: bytes) -> m.Message | None:
+    tag = data[0]
+    if tag == _B and len(data) == 1 + _BEGIN.size:
+        final_lsn, commit_ts, xid = _BEGIN.unpack_from(data, 1)
+        if final_lsn >= 0:
+            return m.Begin(final_lsn, commit_ts, xid)
+    elif tag == _C and len(data) == 1 + _COMMIT.size:
+        flags, commit_lsn, end_lsn, commit_ts = _COMMIT.unpack_from(data, 1)
+        if commit_lsn >= 0 and end_lsn >= 0:
+            return m.Commit(flags, commit_lsn, end_lsn, commit_ts)
+    return None
+
+
 class PgOutputDecoder:
     """Decodes a sequence of pgoutput messages in stream order.
 
@@ -265,6 +286,8 @@ class PgOutputDecoder:
     def decode(self, data: bytes) -> m.Message:
         if not data:
             raise DecodeError("empty message", offset=0)
+        if (fixed := _fixed_length(data)) is not None:
+            return fixed
         entry = PARSERS.get(data[0])
         tag = chr(data[0])
         if entry is None:

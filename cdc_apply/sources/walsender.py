@@ -101,11 +101,7 @@ class WalSenderStream:
             while len(frames) < max_frames:
                 size, data = pgconn.get_copy_data(1)
                 if size > 0:
-                    frame = decode_copy_data(bytes(data))
-                    self.received_lsn = max(self.received_lsn, frame.wal_end if isinstance(frame, Keepalive)
-                                            else frame.start_lsn)
-                    frames.append(frame)
-                    self.last_heard_at = time.monotonic()
+                    frames.append(decode_copy_data(data))  # the payload is copied out of libpq's buffer
                     continue
                 if size == -1:
                     raise StreamLost(f"the server ended the replication stream of slot {self.slot}")
@@ -123,6 +119,10 @@ class WalSenderStream:
                     pgconn.consume_input()
         except psycopg.OperationalError as exc:
             raise StreamLost(f"replication connection lost: {exc}") from None
+        if frames:  # once per read, not per frame: a read holds up to max_frames
+            self.last_heard_at = time.monotonic()
+            self.received_lsn = max(self.received_lsn, max(frame.wal_end if type(frame) is Keepalive
+                                                           else frame.start_lsn for frame in frames))
         return frames
 
     def _raise_if_stalled(self) -> None:
