@@ -56,6 +56,12 @@ TRIMMED_PROPERTY = "cdc_apply.changelog.trimmed_through"  # set by ``trim``: row
 # 8 MiB 346 MB / 73 s, 4 MiB 310 MB / 92 s, 16 MiB (MAX_PIECE_BYTES) up to 462 MB; since the driver
 # writes the pieces' files itself, 8 MiB 319 MB / 25 s.
 LOG_PIECE_BYTES = 8 * 1024 * 1024
+# The Parquet column paths of the layout that get min/max statistics (those a read prunes by) and
+# dictionary encoding (those whose values repeat). Writing every column's statistics, and trying a
+# dictionary for every message and image value, took 30% longer for a file 6% larger.
+STATISTICS_COLUMNS = ("commit_lsn", "commit_ts", "xid", "seq", "end_lsn")
+DICTIONARY_COLUMNS = ("origin", "schema", "table", "op", "key.key_value.key", "old.key_value.key",
+                      "new.key_value.key", "unchanged.list.element", "_cdc_relation")
 
 
 class ChangeLogError(CdcApplyError):
@@ -220,7 +226,8 @@ class ChangeLog:
                     by_relation.setdefault(oid, []).append(rows.drop_columns(["relation_oid"]))
             for oid, group in by_relation.items():
                 file = write_parquet_file(self.target.local_root, f"relation_oid={oid}/{new_file_name(0)}", group,
-                                          partition_values={"relation_oid": str(oid)})
+                                          partition_values={"relation_oid": str(oid)},
+                                          statistics=STATISTICS_COLUMNS, dictionary=DICTIONARY_COLUMNS)
                 if file is not None:
                     written.append(file)
         return written

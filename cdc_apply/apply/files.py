@@ -13,7 +13,7 @@ import datetime
 import json
 import os
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -39,10 +39,13 @@ def new_file_name(task: int) -> str:
 
 def write_parquet_file(root: str, path: str, batches: Iterable[pa.RecordBatch],
                        physical_columns: Mapping[str, tuple[str, int | None]] | None = None,
-                       partition_values: Mapping[str, str] | None = None) -> WrittenFile | None:
+                       partition_values: Mapping[str, str] | None = None,
+                       statistics: Sequence[str] | None = None,
+                       dictionary: Sequence[str] | None = None) -> WrittenFile | None:
     """``batches`` in one new snappy Parquet file at ``path`` under the table's ``root``, each column
     under its physical name and field id (column mapping: ``physical_columns``); None when there
-    were no rows (no file is left)."""
+    were no rows (no file is left). ``statistics`` and ``dictionary``: the Parquet column paths
+    that get min/max statistics and dictionary encoding (None: every column)."""
     physical_columns = physical_columns or {}
     full_path = os.path.join(root, path)
     writer: pq.ParquetWriter | None = None
@@ -52,7 +55,9 @@ def write_parquet_file(root: str, path: str, batches: Iterable[pa.RecordBatch],
             if writer is None:
                 os.makedirs(os.path.dirname(full_path), exist_ok=True)
                 schema = pa.schema([_physical_field(physical_columns, f) for f in batch.schema])
-                writer = pq.ParquetWriter(full_path, schema, compression="snappy")
+                writer = pq.ParquetWriter(full_path, schema, compression="snappy",
+                                          write_statistics=True if statistics is None else list(statistics),
+                                          use_dictionary=True if dictionary is None else list(dictionary))
             writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=writer.schema))
             rows += batch.num_rows
     finally:
