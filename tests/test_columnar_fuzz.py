@@ -106,25 +106,29 @@ def test_mutated_row_messages_agree_or_both_fail(batch: list[bytes], data: st.Da
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("tbnu"), st.binary(max_size=40)), max_size=30),
-       st.sampled_from([1, 3, 16, 64, 1 << 20]))
-def test_gathering_values_a_chunk_at_a_time_gives_every_value_whole(values, chunk_bytes) -> None:  # type: ignore[no-untyped-def]
-    """gather_values copies at most GATHER_CHUNK_BYTES of values per step (it bounds the memory of a
-    huge batch); values longer than a chunk, chunk edges inside a value, nulls and unchanged TOAST
-    come out exactly as sent."""
+@given(st.lists(st.tuples(st.sampled_from("tbnu"), st.binary(max_size=40), st.integers(0, 6)), max_size=30),
+       st.sampled_from([1, 3, 16, 64, 1 << 20]), st.booleans())
+def test_gathering_values_gives_every_value_whole(values, chunk_bytes, in_order) -> None:  # type: ignore[no-untyped-def]
+    """Spans in buffer order, with gaps between them (a row image's values between their headers), are
+    taken in place (one copy per value); spans out of order are gathered byte-wise, at most
+    GATHER_CHUNK_BYTES of values per step (it bounds the memory of a huge batch). Either way values
+    longer than a chunk, chunk edges inside a value, empty values, nulls and unchanged TOAST come out
+    exactly as sent."""
     import numpy as np
 
     from cdc_apply.pgoutput import columnar
     from cdc_apply.pgoutput import messages as m
 
-    buf = np.frombuffer(b"#" + b"".join(data for _, data in values), np.uint8)
-    starts = np.cumsum([1] + [len(data) for _, data in values])[:-1]
-    kinds = np.array([ord(kind) for kind, _ in values], np.uint8)
-    lengths = np.array([len(data) for _, data in values], np.int64)
+    buf = np.frombuffer(b"#" + b"".join(b"-" * gap + data for _, data, gap in values), np.uint8)
+    starts = np.cumsum([1] + [gap + len(data) for _, data, gap in values])[:-1] + [gap for _, _, gap in values]
+    order = slice(None) if in_order else slice(None, None, -1)
+    values, starts = values[order], starts[order]
+    kinds = np.array([ord(kind) for kind, _, _ in values], np.uint8)
+    lengths = np.array([len(data) for _, data, _ in values], np.int64)
     saved = columnar.GATHER_CHUNK_BYTES
     columnar.GATHER_CHUNK_BYTES = chunk_bytes
     try:
-        gathered = columnar.gather_values(buf, kinds, starts.astype(np.int64), lengths).to_pylist()
+        gathered = columnar.gather_values(buf, kinds, np.asarray(starts, np.int64), lengths).to_pylist()
     finally:
         columnar.GATHER_CHUNK_BYTES = saved
-    assert gathered == [data if kind in (chr(m.KIND_TEXT), chr(m.KIND_BINARY)) else None for kind, data in values]
+    assert gathered == [data if kind in (chr(m.KIND_TEXT), chr(m.KIND_BINARY)) else None for kind, data, _ in values]

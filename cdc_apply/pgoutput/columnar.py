@@ -66,9 +66,33 @@ def parse_tuples(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, columns:
     return TupleSpans(kinds, spans, lengths, pos, bad)
 
 
+def _taken_in_place(buf: np.ndarray, present: np.ndarray, starts: np.ndarray,
+                    lengths: np.ndarray) -> pa.Array | None:
+    """The values, when their spans lie in ``buf`` in order (a row image's values, between their
+    headers; else None): ``buf`` is read as one array whose elements are the values and the gaps
+    between them, and Arrow's take copies each value out with one memcpy. Much faster than the
+    byte-wise gather for long values (36 MB of 340-byte values: 161 ms byte-wise)."""
+    spans = np.flatnonzero(present)
+    value_starts, value_ends = starts[spans], starts[spans] + lengths[spans]
+    # Arrow trusts the offsets: each span must lie inside ``buf``, after the one before it.
+    if not len(spans) or value_starts[0] < 0 or value_ends[-1] > len(buf) or not np.all(value_ends >= value_starts) \
+            or not np.all(value_starts[1:] >= value_ends[:-1]):
+        return None
+    bounds = np.empty(2 * len(spans), np.int64)
+    bounds[0::2], bounds[1::2] = value_starts, value_ends
+    values_and_gaps = pa.Array.from_buffers(pa.large_binary(), len(bounds) - 1,
+                                            [None, pa.py_buffer(bounds), pa.py_buffer(buf)])
+    index = np.zeros(len(present), np.int64)
+    index[spans] = 2 * np.arange(len(spans))
+    return values_and_gaps.take(pa.array(index, mask=None if present.all() else ~present))
+
+
 def gather_values(buf: np.ndarray, kinds: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
     """The value bytes of one column as a LargeBinary array; null where the kind carries no data."""
     present = (kinds == m.KIND_TEXT) | (kinds == m.KIND_BINARY)
+    in_order = _taken_in_place(buf, present, starts, lengths)
+    if in_order is not None:
+        return in_order
     sizes = np.where(present, lengths, 0)
     offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
