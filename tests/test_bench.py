@@ -1,5 +1,7 @@
 """Each `cdc-apply bench` verb runs for real at a small size and reports its side-by-side figures.
-(The figures themselves are for the closing notes, not asserted: speed is not a test here.)"""
+(The figures themselves are for the closing notes, not asserted: speed is not a test here.)
+The verbs that need Spark run in this process on the shared session, as ``bench snapshot`` does;
+``bench memory`` measures a child process of its own, and ``bench decode`` goes through the CLI."""
 
 from __future__ import annotations
 
@@ -7,7 +9,11 @@ import re
 
 import pytest
 
+from cdc_apply.bench.apply import bench_apply
+from cdc_apply.bench.e2e import bench_e2e
 from cdc_apply.bench.snapshot import bench_snapshot
+from cdc_apply.bench.soak import bench_soak
+from cdc_apply.bench.stream import bench_stream
 from tests.test_decode_cli import _cli
 
 
@@ -24,27 +30,29 @@ def test_bench_decode_reports_its_ratio_to_walsender_delivery() -> None:
     assert _ratio(run.stdout, "change rows as Arrow") > 0 and _ratio(run.stdout, "rows as Python values") > 0
 
 
-def test_bench_apply_reports_merge_against_append() -> None:
-    run = _cli("bench", "apply", "--rows", "2000", "--changes", "500", "--per-transaction-slice", "200")
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert re.search(r"ratio MERGE apply / append:\s+[0-9.]+x", run.stdout), run.stdout[-3000:]
-    assert re.search(r"from a cached DataFrame: [0-9.]+ s; ratio MERGE apply / that: [0-9.]+x", run.stdout)
-    assert re.search(r"row-by-row collapse of the same changes to its MERGE source: [0-9.]+ s", run.stdout)
+@pytest.mark.spark
+def test_bench_apply_reports_merge_against_append(spark, capsys) -> None:  # type: ignore[no-untyped-def]
+    bench_apply(rows=2000, changes=500, per_transaction_slice=200, spark=spark)
+    output = capsys.readouterr().out
+    assert re.search(r"ratio MERGE apply / append:\s+[0-9.]+x", output), output[-3000:]
+    assert re.search(r"from a cached DataFrame: [0-9.]+ s; ratio MERGE apply / that: [0-9.]+x", output)
+    assert re.search(r"row-by-row collapse of the same changes to its MERGE source: [0-9.]+ s", output)
 
 
-def test_bench_e2e_reports_lag_and_catch_up_against_delivery_with_and_without_the_change_log() -> None:
-    run = _cli("bench", "e2e", "--seconds", "3", "--rate", "10", "--capacity-steps", "1", "--changelog")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+@pytest.mark.spark
+def test_bench_e2e_reports_lag_and_catch_up_with_and_without_the_log(spark, capsys) -> None:  # type: ignore[no-untyped-def]
+    bench_e2e(seconds=3, rate=10, capacity_steps=1, changelog=True, spark=spark)
+    output = capsys.readouterr().out
     assert re.search(r"commit -> change log lag p50 [0-9.]+ s, p99 [0-9.]+ s \(goal p99 <= 2 s\); commit -> target "
-                     r"lag p50 [0-9.]+ s, p99 [0-9.]+ s \(without: p50", run.stdout), run.stdout[-3000:]
+                     r"lag p50 [0-9.]+ s, p99 [0-9.]+ s \(without: p50", output), output[-3000:]
     confirmed = re.search(r"confirmed catch-up +ratio ([0-9.]+)x of the walsender's delivery .* the targets "
-                          r"([0-9.]+)x \(without the log: [0-9.]+x\)", run.stdout)
-    assert confirmed and float(confirmed[1]) >= float(confirmed[2]) > 0, run.stdout[-3000:]
+                          r"([0-9.]+)x \(without the log: [0-9.]+x\)", output)
+    assert confirmed and float(confirmed[1]) >= float(confirmed[2]) > 0, output[-3000:]
     assert re.search(r"lag p50 [0-9.]+ s, p99 [0-9.]+ s \(the first run, in a new JVM: p99 [0-9.]+ s\)",
-                     run.stdout), run.stdout[-3000:]
-    assert _ratio(run.stdout, "pipeline catch-up") > 0
-    assert re.search(r"capacity step 1: 2 x 10 tx/s -> [0-9,]+ changes/s, lag p99 [0-9.]+ s", run.stdout)
-    assert re.search(r"capacity \(p99 <= 10 s\) +[0-9,]+ changes/s +ratio [0-9.]+x", run.stdout), run.stdout[-2000:]
+                     output), output[-3000:]
+    assert _ratio(output, "pipeline catch-up") > 0
+    assert re.search(r"capacity step 1: 2 x 10 tx/s -> [0-9,]+ changes/s, lag p99 [0-9.]+ s", output)
+    assert re.search(r"capacity \(p99 <= 10 s\) +[0-9,]+ changes/s +ratio [0-9.]+x", output), output[-2000:]
 
 
 def test_bench_memory_reports_the_peak_rss_of_a_large_streamed_transaction() -> None:
@@ -60,25 +68,27 @@ def test_bench_memory_reports_the_peak_rss_of_a_large_streamed_transaction() -> 
     assert peak and int(peak[1].replace(",", "")) >= int(peak[2].replace(",", "")) > 0, run.stdout[-3000:]
 
 
-def test_bench_soak_reports_batch_times_over_time_and_the_targets_files() -> None:
-    run = _cli("bench", "soak", "--minutes", "0.3", "--rate", "10")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+@pytest.mark.spark
+def test_bench_soak_reports_batch_times_over_time_and_the_files(spark, capsys) -> None:  # type: ignore[no-untyped-def]
+    bench_soak(minutes=0.3, rate=10, spark=spark)
+    output = capsys.readouterr().out
     assert re.search(r"public.accounts +batch apply median: first minute [0-9.]+ s, last minute [0-9.]+ s, "
-                     r"ratio [0-9.]+x", run.stdout), run.stdout[-3000:]
+                     r"ratio [0-9.]+x", output), output[-3000:]
     files = re.search(r"public.ledger +([0-9,]+) rows in +([0-9]+) files, log version ([0-9]+), whole-table read "
-                      r"[0-9.]+ s \(Spark\), [0-9.]+ s \(delta-rs, ([0-9,]+) rows\)", run.stdout)
-    assert files, run.stdout[-3000:]
+                      r"[0-9.]+ s \(Spark\), [0-9.]+ s \(delta-rs, ([0-9,]+) rows\)", output)
+    assert files, output[-3000:]
     assert int(files[1].replace(",", "")) > 0 and files[1] == files[4]  # both readers saw every row
 
 
-def test_bench_stream_compares_the_streaming_query_with_follow() -> None:
-    run = _cli("bench", "stream", "--seconds", "3", "--rate", "10")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+@pytest.mark.spark
+def test_bench_stream_compares_the_streaming_query_with_follow(spark, capsys) -> None:  # type: ignore[no-untyped-def]
+    bench_stream(seconds=3, rate=10, spark=spark)
+    output = capsys.readouterr().out
     for label in ("run --follow", "streaming query"):
-        line = next(line for line in run.stdout.splitlines() if line.strip().startswith(label))
+        line = next(line for line in output.splitlines() if line.strip().startswith(label))
         assert re.search(r"lag p50 [0-9.]+ s, p99 [0-9.]+ s; catch-up +[0-9,]+ changes/s, ratio to delivery [0-9.]+x",
                          line), line
-    assert re.search(r"streaming query / run --follow: steady [0-9.]+x, catch-up [0-9.]+x", run.stdout)
+    assert re.search(r"streaming query / run --follow: steady [0-9.]+x, catch-up [0-9.]+x", output)
 
 
 @pytest.mark.spark

@@ -20,11 +20,10 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from cdc_apply.spark import build_spark_session
 from cdc_apply.apply.collapse import Collapsed, Collapser
 from cdc_apply.apply.columnar import CollapsedColumns, collapsed_columns
 from cdc_apply.apply.merge import merge_collapsed, source_frame, typed_frame
@@ -34,6 +33,10 @@ from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.targets import SourceState, Target
 from cdc_apply.changerows.columns import python_rows
 from cdc_apply.pgtypes.sparktypes import arrow_type
+from cdc_apply.spark.session import session_for
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 COLUMNS = [("id", "bigint"), ("account", "int"), ("amount", "decimal(12,2)"), ("note", "string"),
            ("created", "timestamp"), ("flag", "boolean"), ("score", "double")]
@@ -116,119 +119,119 @@ def _peak_jvm_heap_mb(spark: Any) -> float:
 
 
 def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batch: int = 5_000,
-                insert_rounds: int = 5) -> None:
-    spark = build_spark_session()
-    folder = tempfile.mkdtemp(prefix="cdc_apply_bench_apply_")
-    options = TableOptions()
-    try:
-        def fresh_target(name: str) -> Target:
-            target = Target(spark, f"{folder}/{name}", by_name=False)
-            columns = initial_columns(COLUMNS)
-            target.create(SourceState(1, "public", "bench", ("id",), columns, (0, 0)), dict(COLUMNS), options, {})
-            return target
+                insert_rounds: int = 5, spark: SparkSession | None = None) -> None:
+    """``spark``: a session to run in (a test's), else a new one."""
+    with session_for(spark) as spark:
+        folder = tempfile.mkdtemp(prefix="cdc_apply_bench_apply_")
+        options = TableOptions()
+        try:
+            def fresh_target(name: str) -> Target:
+                target = Target(spark, f"{folder}/{name}", by_name=False)
+                columns = initial_columns(COLUMNS)
+                target.create(SourceState(1, "public", "bench", ("id",), columns, (0, 0)), dict(COLUMNS), options, {})
+                return target
 
-        def collapse(change_rows: list[dict[str, Any]]):  # type: ignore[no-untyped-def]
-            collapser = Collapser("public.bench", ("id",))
-            for row in change_rows:
-                collapser.add(row)
-            return collapser.result
+            def collapse(change_rows: list[dict[str, Any]]):  # type: ignore[no-untyped-def]
+                collapser = Collapser("public.bench", ("id",))
+                for row in change_rows:
+                    collapser.add(row)
+                return collapser.result
 
-        print(f"building a {rows:,}-row Delta table ...", flush=True)
-        target = fresh_target("target")
-        started = time.perf_counter()
-        (spark.range(1, rows + 1).selectExpr(
-            "id", "cast(id % 97 as int) AS account", "cast((id % 100000) / 100 as decimal(12,2)) AS amount",
-            "concat('note ', id) AS note", f"timestamp_micros({BASE_TS} + id) AS created", "id % 2 = 0 AS flag",
-            "cast(id / 7.0 AS double) AS score", "0L AS _cdc_commit_lsn", f"timestamp_micros({BASE_TS}) AS _cdc_commit_ts")
-         .write.format("delta").mode("append").save(target.location))
-        print(f"  built in {time.perf_counter() - started:.1f} s", flush=True)
-
-        def merge(target: Target, changes: pa.Table, app_id: str, version: int) -> None:
-            merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options,
-                            DataCommit(app_id, version, "{}"), columnar=_collapsed(changes))
-
-        warm = fresh_target("warmup")  # the first MERGE in a JVM pays a large warm-up: not timed
-        merge(warm, arrow_changes(generate_changes(1000, 300)), "bench/warmup", 1)
-
-        print(f"generating {changes:,} change rows ...", flush=True)
-        change_table = arrow_changes(generate_changes(rows, changes))
-        before_rss = _peak_rss_mb()
-        started = time.perf_counter()
-        collapsed = _collapsed(change_table)
-        collapse_s = time.perf_counter() - started
-        started = time.perf_counter()
-        merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options,
-                        DataCommit("bench/merge", 2, "{}"), columnar=collapsed)
-        merge_s = time.perf_counter() - started
-        merge_rss = _peak_rss_mb()
-
-        append_target = fresh_target("append")
-        source = typed_frame(spark, collapsed.columns, dict(COLUMNS)).drop(OP, KEEP)
-        started = time.perf_counter()
-        source.write.format("delta").mode("append").save(append_target.location)
-        append_s = time.perf_counter() - started
-
-        # The cost of the data alone: the same rows appended from a DataFrame Spark already holds.
-        cached = source.cache()
-        cached.count()
-        cached_target = fresh_target("cached_append")
-        started = time.perf_counter()
-        cached.write.format("delta").mode("append").save(cached_target.location)
-        cached_append_s = time.perf_counter() - started
-        cached.unpersist()
-
-        slice_rows = change_table.slice(0, per_transaction_slice)
-        started = time.perf_counter()
-        transactions = 0
-        for start in range(0, slice_rows.num_rows, 100):
-            transactions += 1
-            merge(target, slice_rows.slice(start, 100), "bench/per-transaction", 10 + transactions)
-        per_txn_s = time.perf_counter() - started
-
-        # The row-by-row collapse of the same changes, to its MERGE source (not merged again).
-        started = time.perf_counter()
-        row_by_row = collapse(python_rows(change_table))
-        source_frame(spark, row_by_row, dict(COLUMNS))
-        row_by_row_s = time.perf_counter() - started
-        assert len(row_by_row.states) == collapsed.keys_written
-
-        print(f"{insert_rounds} rounds of {insert_batch:,} new rows: MERGE, then append, into the same table ...",
-              flush=True)
-        timings: dict[bool, list[float]] = {False: [], True: []}
-        next_key = rows + changes + 1  # past every generated key
-        for version in range(insert_rounds * 2):
-            append = version % 2 == 1
-            batch = collapse(list(insert_changes(next_key, insert_batch, (1 << 40) + version)))
-            assert batch.new_rows_only
-            next_key += insert_batch
+            print(f"building a {rows:,}-row Delta table ...", flush=True)
+            target = fresh_target("target")
             started = time.perf_counter()
-            # As the pipeline does: its own last commit is the log's newest, so an append need not be checked.
-            commit = DataCommit("bench/new-rows", 100 + version, "{}", unwritten_at=target.log_version())
-            merge_collapsed(target, batch, dict(COLUMNS), ("id",), options, commit, append=append)
-            timings[append].append(time.perf_counter() - started)
-        new_rows_merge, new_rows_append = (statistics.median(timings[mode]) for mode in (False, True))
+            (spark.range(1, rows + 1).selectExpr(
+                "id", "cast(id % 97 as int) AS account", "cast((id % 100000) / 100 as decimal(12,2)) AS amount",
+                "concat('note ', id) AS note", f"timestamp_micros({BASE_TS} + id) AS created", "id % 2 = 0 AS flag",
+                "cast(id / 7.0 AS double) AS score", "0L AS _cdc_commit_lsn", f"timestamp_micros({BASE_TS}) AS _cdc_commit_ts")
+             .write.format("delta").mode("append").save(target.location))
+            print(f"  built in {time.perf_counter() - started:.1f} s", flush=True)
 
-        total = collapse_s + merge_s
-        per_change_batched = total / changes
-        per_change_txn = per_txn_s / slice_rows.num_rows
-        keys = collapsed.keys_written
-        print("\nresults (one run, same machine):")
-        print(f"  collapsed MERGE of {changes:,} changes into {rows:,} rows: {total:.1f} s "
-              f"(collapse as columns {collapse_s:.1f} s, {keys:,} keys; MERGE {merge_s:.1f} s)")
-        print(f"  plain Delta append of the same {keys:,} rows:     {append_s:.1f} s")
-        print(f"  ratio MERGE apply / append:                 {total / append_s:.2f}x (goal <= 3x)")
-        print(f"  Spark append of the same rows from a cached DataFrame: {cached_append_s:.1f} s; "
-              f"ratio MERGE apply / that: {total / cached_append_s:.2f}x (goal <= 6x)")
-        print(f"  the row-by-row collapse of the same changes to its MERGE source: {row_by_row_s:.1f} s "
-              f"({row_by_row_s / collapse_s:.1f}x the columnar collapse)")
-        print(f"  one MERGE per 100-row transaction ({transactions} transactions, {slice_rows.num_rows:,} changes): "
-              f"{per_txn_s:.1f} s = {per_change_txn * 1e3:.2f} ms/change, "
-              f"{per_change_txn / per_change_batched:,.0f}x slower per change than batched")
-        print(f"  a batch of {insert_batch:,} new rows (median of {insert_rounds}): MERGE {new_rows_merge:.2f} s, "
-              f"append {new_rows_append:.2f} s: the append is {new_rows_merge / new_rows_append:.1f}x faster")
-        print(f"  peak memory: Python driver {before_rss:,.0f} MB holding the change rows, {merge_rss:,.0f} MB "
-              f"after the columnar collapse and MERGE, {_peak_rss_mb():,.0f} MB after the row-by-row collapse; "
-              f"JVM heap {_peak_jvm_heap_mb(spark):,.0f} MB")
-    finally:
-        spark.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+            def merge(target: Target, changes: pa.Table, app_id: str, version: int) -> None:
+                merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options,
+                                DataCommit(app_id, version, "{}"), columnar=_collapsed(changes))
+
+            warm = fresh_target("warmup")  # the first MERGE in a JVM pays a large warm-up: not timed
+            merge(warm, arrow_changes(generate_changes(1000, 300)), "bench/warmup", 1)
+
+            print(f"generating {changes:,} change rows ...", flush=True)
+            change_table = arrow_changes(generate_changes(rows, changes))
+            before_rss = _peak_rss_mb()
+            started = time.perf_counter()
+            collapsed = _collapsed(change_table)
+            collapse_s = time.perf_counter() - started
+            started = time.perf_counter()
+            merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options,
+                            DataCommit("bench/merge", 2, "{}"), columnar=collapsed)
+            merge_s = time.perf_counter() - started
+            merge_rss = _peak_rss_mb()
+
+            append_target = fresh_target("append")
+            source = typed_frame(spark, collapsed.columns, dict(COLUMNS)).drop(OP, KEEP)
+            started = time.perf_counter()
+            source.write.format("delta").mode("append").save(append_target.location)
+            append_s = time.perf_counter() - started
+
+            # The cost of the data alone: the same rows appended from a DataFrame Spark already holds.
+            cached = source.cache()
+            cached.count()
+            cached_target = fresh_target("cached_append")
+            started = time.perf_counter()
+            cached.write.format("delta").mode("append").save(cached_target.location)
+            cached_append_s = time.perf_counter() - started
+            cached.unpersist()
+
+            slice_rows = change_table.slice(0, per_transaction_slice)
+            started = time.perf_counter()
+            transactions = 0
+            for start in range(0, slice_rows.num_rows, 100):
+                transactions += 1
+                merge(target, slice_rows.slice(start, 100), "bench/per-transaction", 10 + transactions)
+            per_txn_s = time.perf_counter() - started
+
+            # The row-by-row collapse of the same changes, to its MERGE source (not merged again).
+            started = time.perf_counter()
+            row_by_row = collapse(python_rows(change_table))
+            source_frame(spark, row_by_row, dict(COLUMNS))
+            row_by_row_s = time.perf_counter() - started
+            assert len(row_by_row.states) == collapsed.keys_written
+
+            print(f"{insert_rounds} rounds of {insert_batch:,} new rows: MERGE, then append, into the same table ...",
+                  flush=True)
+            timings: dict[bool, list[float]] = {False: [], True: []}
+            next_key = rows + changes + 1  # past every generated key
+            for version in range(insert_rounds * 2):
+                append = version % 2 == 1
+                batch = collapse(list(insert_changes(next_key, insert_batch, (1 << 40) + version)))
+                assert batch.new_rows_only
+                next_key += insert_batch
+                started = time.perf_counter()
+                # As the pipeline does: its own last commit is the log's newest, so an append need not be checked.
+                commit = DataCommit("bench/new-rows", 100 + version, "{}", unwritten_at=target.log_version())
+                merge_collapsed(target, batch, dict(COLUMNS), ("id",), options, commit, append=append)
+                timings[append].append(time.perf_counter() - started)
+            new_rows_merge, new_rows_append = (statistics.median(timings[mode]) for mode in (False, True))
+
+            total = collapse_s + merge_s
+            per_change_batched = total / changes
+            per_change_txn = per_txn_s / slice_rows.num_rows
+            keys = collapsed.keys_written
+            print("\nresults (one run, same machine):")
+            print(f"  collapsed MERGE of {changes:,} changes into {rows:,} rows: {total:.1f} s "
+                  f"(collapse as columns {collapse_s:.1f} s, {keys:,} keys; MERGE {merge_s:.1f} s)")
+            print(f"  plain Delta append of the same {keys:,} rows:     {append_s:.1f} s")
+            print(f"  ratio MERGE apply / append:                 {total / append_s:.2f}x (goal <= 3x)")
+            print(f"  Spark append of the same rows from a cached DataFrame: {cached_append_s:.1f} s; "
+                  f"ratio MERGE apply / that: {total / cached_append_s:.2f}x (goal <= 6x)")
+            print(f"  the row-by-row collapse of the same changes to its MERGE source: {row_by_row_s:.1f} s "
+                  f"({row_by_row_s / collapse_s:.1f}x the columnar collapse)")
+            print(f"  one MERGE per 100-row transaction ({transactions} transactions, {slice_rows.num_rows:,} changes): "
+                  f"{per_txn_s:.1f} s = {per_change_txn * 1e3:.2f} ms/change, "
+                  f"{per_change_txn / per_change_batched:,.0f}x slower per change than batched")
+            print(f"  a batch of {insert_batch:,} new rows (median of {insert_rounds}): MERGE {new_rows_merge:.2f} s, "
+                  f"append {new_rows_append:.2f} s: the append is {new_rows_merge / new_rows_append:.1f}x faster")
+            print(f"  peak memory: Python driver {before_rss:,.0f} MB holding the change rows, {merge_rss:,.0f} MB "
+                  f"after the columnar collapse and MERGE, {_peak_rss_mb():,.0f} MB after the row-by-row collapse; "
+                  f"JVM heap {_peak_jvm_heap_mb(spark):,.0f} MB")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)

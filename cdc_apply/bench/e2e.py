@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from cdc_apply.spark import build_spark_session
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.config import Config, parse_config
 from cdc_apply.live import BackgroundReplicator
@@ -28,6 +27,7 @@ from cdc_apply.pgserver import PgServer
 from cdc_apply.sources.preflight import protocol_options
 from cdc_apply.sources.slot import create_slot, server_version_num, wait_until_caught_up
 from cdc_apply.sources.walsender import WalSenderStream
+from cdc_apply.spark.session import session_for
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -141,50 +141,49 @@ def bench_config(server: PgServer, warehouse: str, slot: str, parallel_tables: i
                          "stream": {"interval_seconds": 1.0}})
 
 
-def prepared(server: PgServer, slot: str, parallel_tables: int) -> tuple[Config, SparkSession]:
-    """The load's tables on ``server``, a pipeline config for them on ``slot`` with a fresh
-    warehouse, and its Spark session."""
+def prepared(server: PgServer, slot: str, parallel_tables: int) -> Config:
+    """The load's tables on ``server``, and a pipeline config for them on ``slot`` with a fresh warehouse."""
     with psycopg.connect(server.dsn, autocommit=True) as conn:
         create_schema(conn, "bench")
-    config = bench_config(server, tempfile.mkdtemp(prefix=f"cdc_apply_bench_{slot}_"), slot, parallel_tables)
-    return config, build_spark_session(config.spark)
+    return bench_config(server, tempfile.mkdtemp(prefix=f"cdc_apply_bench_{slot}_"), slot, parallel_tables)
 
 
-def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2,
-              parallel_tables: int = 4, capacity_steps: int = 4, changelog: bool = False) -> dict[str, float]:
+def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, parallel_tables: int = 4,
+              capacity_steps: int = 4, changelog: bool = False, spark: SparkSession | None = None) -> dict[str, float]:
     """``changelog``: the steady load and the backlog are run again with ``changelog.confirm_after:
-    changelog`` (same server, slot and targets), and both are reported side by side."""
+    changelog`` (same server, slot and targets), and both are reported side by side. ``spark``: a
+    session to run in (a test's), else a new one."""
     phases = 4 if changelog else 3
     with PgServer() as server:
-        config, spark = prepared(server, "bench", parallel_tables)
+        config = prepared(server, "bench", parallel_tables)
+        with session_for(spark, config.spark) as spark:
 
-        print(f"1/{phases} steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming, "
-              f"twice: the first run warms a new JVM up, the second is measured ...", flush=True)
-        _, cold = steady_follow(server, config, spark, seconds, rate, sessions)
-        steady_rate, steady = steady_follow(server, config, spark, seconds, rate, sessions, seed=3, first=False)
+            print(f"1/{phases} steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming, "
+                  f"twice: the first run warms a new JVM up, the second is measured ...", flush=True)
+            _, cold = steady_follow(server, config, spark, seconds, rate, sessions)
+            steady_rate, steady = steady_follow(server, config, spark, seconds, rate, sessions, seed=3, first=False)
 
-        print(f"2/{phases} backlog: unthrottled load for {seconds:g} s with the pipeline stopped ...", flush=True)
-        with psycopg.connect(server.dsn, autocommit=True) as conn:
-            create_slot(conn, "delivery")
-        upto = backlog(server, seconds, sessions)
-        delivered, delivery_seconds, last_end = _delivery(server, config, "delivery", upto)
-        catchup_changes, _, catchup_seconds = catchup_follow(server, config, spark, last_end)
-        result = {
-            "steady_changes_per_s": steady_rate,
-            "lag_p50_s": steady.lag_percentile(0.5) or 0.0,
-            "lag_p99_s": steady.lag_percentile(0.99) or 0.0,
-            "cold_lag_p99_s": cold.lag_percentile(0.99) or 0.0,
-            "delivery_changes_per_s": delivered / delivery_seconds,
-            "catchup_changes_per_s": catchup_changes / catchup_seconds,
-        }
-        if changelog:
-            result.update(_changelog_phases(server, with_changelog(config), spark, seconds, rate, sessions, phases))
-        held = 0.0
-        if capacity_steps:
-            print(f"{phases}/{phases} capacity: the steady rate doubled from {rate:g} tx/s per session until the "
-                  f"lag p99 passes {CAPACITY_LAG_S:g} s (at most {capacity_steps} rates) ...", flush=True)
-            held, _ = capacity(server, config, spark, seconds, rate, sessions, capacity_steps)
-        spark.stop()
+            print(f"2/{phases} backlog: unthrottled load for {seconds:g} s with the pipeline stopped ...", flush=True)
+            with psycopg.connect(server.dsn, autocommit=True) as conn:
+                create_slot(conn, "delivery")
+            upto = backlog(server, seconds, sessions)
+            delivered, delivery_seconds, last_end = _delivery(server, config, "delivery", upto)
+            catchup_changes, _, catchup_seconds = catchup_follow(server, config, spark, last_end)
+            result = {
+                "steady_changes_per_s": steady_rate,
+                "lag_p50_s": steady.lag_percentile(0.5) or 0.0,
+                "lag_p99_s": steady.lag_percentile(0.99) or 0.0,
+                "cold_lag_p99_s": cold.lag_percentile(0.99) or 0.0,
+                "delivery_changes_per_s": delivered / delivery_seconds,
+                "catchup_changes_per_s": catchup_changes / catchup_seconds,
+            }
+            if changelog:
+                result.update(_changelog_phases(server, with_changelog(config), spark, seconds, rate, sessions, phases))
+            held = 0.0
+            if capacity_steps:
+                print(f"{phases}/{phases} capacity: the steady rate doubled from {rate:g} tx/s per session until the "
+                      f"lag p99 passes {CAPACITY_LAG_S:g} s (at most {capacity_steps} rates) ...", flush=True)
+                held, _ = capacity(server, config, spark, seconds, rate, sessions, capacity_steps)
     result["ratio_catchup_to_delivery"] = result["catchup_changes_per_s"] / result["delivery_changes_per_s"]
     result["capacity_changes_per_s"] = held
     result["ratio_capacity_to_delivery"] = held / result["delivery_changes_per_s"]

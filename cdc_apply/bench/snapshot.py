@@ -139,7 +139,7 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
     from cdc_apply.snapshot import Snapshotter, TableSnapshot
     from cdc_apply.sources.catalog import SourceCatalog
     from cdc_apply.sources.preflight import ensure_publication_and_slot
-    from cdc_apply.spark.session import build_spark_session
+    from cdc_apply.spark.session import session_for
 
     with PgServer() as server:
         print(f"snapshot: a lineitem-shaped table of {rows:,} rows ...", flush=True)
@@ -152,42 +152,39 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
             "dsn": server.dsn, "slot": f"bench{round_}{writer}", "publication": "bench"},
             "target": {"warehouse": f"{warehouse}/round{round_}{writer}"},
             "snapshot": {**(snapshot or {}), "file_writer": writer}}) for writer in WRITERS} for round_ in (1, 2)]
-        own_session = spark is None
-        spark = spark or build_spark_session(configs[0]["tasks"].spark)
-        with psycopg.connect(server.dsn, autocommit=True) as conn:
-            for config in (c for by_writer in configs for c in by_writer.values()):  # the slots exist before the
-                ensure_publication_and_slot(conn, config.source)                       # copies, as in a run
-        # Warm the JVM with a small write, so neither Spark copy pays for the first one.
-        spark.range(10).write.format("delta").save(f"{warehouse}/warm_up")
-        times: dict[str, list[float]] = {"raw": [], "product": [], "delta": [], "spark": []}
-        copies: list[TableSnapshot] = []
-        rss = PeakRss()
-        for round_, by_writer in enumerate(configs, 1):
-            print(f" round {round_}:", flush=True)
-            raw_rows, raw_s = _timed("raw COPY read", lambda: raw_copy_read(server.dsn))
-            # cdc_apply's copies before the hand-written one, whose whole-table buffers would stay in
-            # this process's resident set and be counted in the copy's peak (measured in round 1).
-            product: dict[str, tuple[int, float]] = {}
-            for writer, config in by_writer.items():
-                applier = BatchApplier(spark, apply_options(config),
-                                       missing_value=SourceCatalog(server.dsn).missing_value)
+        with session_for(spark, configs[0]["tasks"].spark) as spark:
+            with psycopg.connect(server.dsn, autocommit=True) as conn:
+                for config in (c for by_writer in configs for c in by_writer.values()):  # the slots exist before the
+                    ensure_publication_and_slot(conn, config.source)                       # copies, as in a run
+            # Warm the JVM with a small write, so neither Spark copy pays for the first one.
+            spark.range(10).write.format("delta").save(f"{warehouse}/warm_up")
+            times: dict[str, list[float]] = {"raw": [], "product": [], "delta": [], "spark": []}
+            copies: list[TableSnapshot] = []
+            rss = PeakRss()
+            for round_, by_writer in enumerate(configs, 1):
+                print(f" round {round_}:", flush=True)
+                raw_rows, raw_s = _timed("raw COPY read", lambda: raw_copy_read(server.dsn))
+                # cdc_apply's copies before the hand-written one, whose whole-table buffers would stay in
+                # this process's resident set and be counted in the copy's peak (measured in round 1).
+                product: dict[str, tuple[int, float]] = {}
+                for writer, config in by_writer.items():
+                    applier = BatchApplier(spark, apply_options(config),
+                                           missing_value=SourceCatalog(server.dsn).missing_value)
 
-                def product_copy() -> int:
-                    copied = Snapshotter(config, applier).sync()  # noqa: B023 - called at once, in this round
-                    copies.extend(copied)
-                    return sum(table.rows for table in copied)
+                    def product_copy() -> int:
+                        copied = Snapshotter(config, applier).sync()  # noqa: B023 - called at once, in this round
+                        copies.extend(copied)
+                        return sum(table.rows for table in copied)
 
-                with rss if round_ == 1 and writer == "tasks" else contextlib.nullcontext():
-                    product[writer] = _timed(f"cdc_apply's copy, file_writer: {writer}", product_copy)
-            spark_rows, spark_s = _timed("hand-written Spark copy", lambda: hand_written_spark_copy(
-                server.dsn, spark, f"{warehouse}/by_hand{round_}"))  # noqa: B023
-            assert raw_rows == spark_rows == product["tasks"][0] == product["delta"][0] == rows, \
-                (raw_rows, spark_rows, product)
-            for name, seconds in (("raw", raw_s), ("product", product["tasks"][1]), ("delta", product["delta"][1]),
-                                  ("spark", spark_s)):
-                times[name].append(seconds)
-        if own_session:
-            spark.stop()
+                    with rss if round_ == 1 and writer == "tasks" else contextlib.nullcontext():
+                        product[writer] = _timed(f"cdc_apply's copy, file_writer: {writer}", product_copy)
+                spark_rows, spark_s = _timed("hand-written Spark copy", lambda: hand_written_spark_copy(
+                    server.dsn, spark, f"{warehouse}/by_hand{round_}"))  # noqa: B023
+                assert raw_rows == spark_rows == product["tasks"][0] == product["delta"][0] == rows, \
+                    (raw_rows, spark_rows, product)
+                for name, seconds in (("raw", raw_s), ("product", product["tasks"][1]), ("delta", product["delta"][1]),
+                                      ("spark", spark_s)):
+                    times[name].append(seconds)
     method = "Spark's tasks, page ranges" if copies[0].method == "ranges" else "the driver, key order"
     first = {name: rows / seconds[0] for name, seconds in times.items()}
     warm = {name: rows / seconds[1] for name, seconds in times.items()}

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from cdc_apply.spark import build_spark_session
 from cdc_apply.bench.e2e import _delivery, backlog, bench_config, catchup_follow, steady_follow
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.config import Config
 from cdc_apply.pgserver import PgServer
 from cdc_apply.sources.slot import create_slot
+from cdc_apply.spark.session import session_for
 from cdc_apply.stream_job import start_stream
 
 if TYPE_CHECKING:
@@ -55,38 +55,39 @@ def catchup_stream(config: Config, spark: SparkSession) -> tuple[int, float]:
     return sum(b.changes for b in apply.summary.batches), seconds
 
 
-def bench_stream(seconds: float = 20.0, rate: float = 40.0, sessions: int = 2) -> dict[str, float]:
+def bench_stream(seconds: float = 20.0, rate: float = 40.0, sessions: int = 2,
+                 spark: SparkSession | None = None) -> dict[str, float]:
+    """``spark``: a session to run in (a test's), else a new one."""
     root = tempfile.mkdtemp(prefix="cdc_apply_bench_stream_")
     with PgServer() as server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             create_schema(conn, "bench")
         follow = bench_config(server, f"{root}/follow", "follow")
         stream = bench_config(server, f"{root}/stream", "stream")
-        spark = build_spark_session(follow.spark)
-        result: dict[str, float] = {}
-        print(f"1/2 steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s, "
-              "through run --follow, then through the streaming query ...", flush=True)
-        for name, steady in (("follow", steady_follow), ("stream", steady_stream)):
-            config = follow if name == "follow" else stream
-            with psycopg.connect(server.dsn, autocommit=True) as conn:
-                create_slot(conn, name)  # now: a slot made earlier would hold the other phase's load too
-            changes_per_s, summary = steady(server, config, spark, seconds, rate, sessions)
-            result[f"{name}_steady_changes_per_s"] = changes_per_s
-            result[f"{name}_lag_p50_s"] = summary.lag_percentile(0.5) or 0.0
-            result[f"{name}_lag_p99_s"] = summary.lag_percentile(0.99) or 0.0
+        with session_for(spark, follow.spark) as spark:
+            result: dict[str, float] = {}
+            print(f"1/2 steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s, "
+                  "through run --follow, then through the streaming query ...", flush=True)
+            for name, steady in (("follow", steady_follow), ("stream", steady_stream)):
+                config = follow if name == "follow" else stream
+                with psycopg.connect(server.dsn, autocommit=True) as conn:
+                    create_slot(conn, name)  # now: a slot made earlier would hold the other phase's load too
+                changes_per_s, summary = steady(server, config, spark, seconds, rate, sessions)
+                result[f"{name}_steady_changes_per_s"] = changes_per_s
+                result[f"{name}_lag_p50_s"] = summary.lag_percentile(0.5) or 0.0
+                result[f"{name}_lag_p99_s"] = summary.lag_percentile(0.99) or 0.0
 
-        print(f"2/2 backlog: unthrottled load for {seconds:g} s with both stopped ...", flush=True)
-        with psycopg.connect(server.dsn, autocommit=True) as conn:
-            create_slot(conn, "delivery")
-        upto = backlog(server, seconds, sessions)
-        delivered, delivery_seconds, last_end = _delivery(server, follow, "delivery", upto)
-        result["delivery_changes_per_s"] = delivered / delivery_seconds
-        follow_changes, _, follow_took = catchup_follow(server, follow, spark, last_end)
-        for name, (changes, took) in (("follow", (follow_changes, follow_took)),
-                                      ("stream", catchup_stream(stream, spark))):
-            result[f"{name}_catchup_changes_per_s"] = changes / took
-            result[f"ratio_{name}_catchup_to_delivery"] = changes / took / result["delivery_changes_per_s"]
-        spark.stop()
+            print(f"2/2 backlog: unthrottled load for {seconds:g} s with both stopped ...", flush=True)
+            with psycopg.connect(server.dsn, autocommit=True) as conn:
+                create_slot(conn, "delivery")
+            upto = backlog(server, seconds, sessions)
+            delivered, delivery_seconds, last_end = _delivery(server, follow, "delivery", upto)
+            result["delivery_changes_per_s"] = delivered / delivery_seconds
+            follow_changes, _, follow_took = catchup_follow(server, follow, spark, last_end)
+            for name, (changes, took) in (("follow", (follow_changes, follow_took)),
+                                          ("stream", catchup_stream(stream, spark))):
+                result[f"{name}_catchup_changes_per_s"] = changes / took
+                result[f"ratio_{name}_catchup_to_delivery"] = changes / took / result["delivery_changes_per_s"]
     print(f"bench stream ({sessions} sessions, {seconds:g} s per phase)")
     for name, label in (("follow", "run --follow"), ("stream", "streaming query")):
         print(f"  {label:<16} steady {result[f'{name}_steady_changes_per_s']:>8,.0f} changes/s, "

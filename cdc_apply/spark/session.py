@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,20 @@ def build_spark_session(overrides: Mapping[str, str] | None = None) -> SparkSess
     datasource.register(spark)  # format("pgoutput")
     pgcopy.register(spark)  # format("pgcopy"): the initial copy's tasks
     return spark
+
+
+@contextmanager
+def session_for(spark: SparkSession | None, overrides: Mapping[str, str] | None = None) -> Iterator[SparkSession]:
+    """``spark`` when the caller has one (left running: a test's shared session), else a new
+    session (``build_spark_session(overrides)``), stopped at the end."""
+    if spark is not None:
+        yield spark
+        return
+    session = build_spark_session(overrides)
+    try:
+        yield session
+    finally:
+        session.stop()
 
 
 def _add_jars_to_driver(jars: list[Path]) -> None:
