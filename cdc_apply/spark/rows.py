@@ -32,9 +32,9 @@ from cdc_apply.pgtypes import ValueConversionError, exact_text_type
 from cdc_apply.spark.typed import IMAGES, TableImages, spark_arrow
 
 IMAGE = pa.map_(pa.string(), pa.string())
+TEXT_IMAGE_DDL = "map<string,string>"
 _IN_STREAM = attrgetter("in_stream")
 _WIRE = attrgetter("wire")
-TEXT_IMAGE_DDL = "map<string,string>"
 
 
 def source_schema(key: pa.DataType, image: pa.DataType) -> pa.Schema:
