@@ -93,16 +93,18 @@ def crash_config(tmp_path: Path, conninfo: str, **sections: object) -> tuple[Pat
     return config, warehouse, tmp_path / "jobs.log"
 
 
-def kill_at_random_points(conn: psycopg.Connection, load: Load, warehouse: str, new_job: Callable[[], Job],
+def kill_at_random_points(conn: psycopg.Connection, load: Load, warehouse: str, new_job: Callable[[int], Job],
                           rng: random.Random,
-                          check: Callable[[psycopg.Connection, Load, str], None] = _assert_confirmed_is_durable) -> None:
-    """RANDOM_KILLS times: start a job, SIGKILL it at a random moment, ``check`` the slot against Delta."""
-    for _ in range(RANDOM_KILLS):
-        job = new_job()
+                          check: Callable[[psycopg.Connection, Load, str], None] = _assert_confirmed_is_durable,
+                          window: Callable[[int], float] = lambda kill: 6.0) -> None:
+    """RANDOM_KILLS times: start job number ``kill``, SIGKILL it at a random moment within
+    ``window(kill)`` seconds of its ready line, ``check`` the slot against Delta."""
+    for kill in range(RANDOM_KILLS):
+        job = new_job(kill)
         assert job.streaming.wait(timeout=180), job.log.read_text()[-3000:]
         # A new job's first batch is written 2-5 s after it streams: 0-6 s spans its receive, its
         # MERGE, its confirm and the batches after it.
-        time.sleep(rng.uniform(0, 6))
+        time.sleep(rng.uniform(0, window(kill)))
         job.process.send_signal(signal.SIGKILL)
         assert job.wait(timeout=60) == -signal.SIGKILL
         check(conn, load, warehouse)
@@ -124,7 +126,7 @@ def test_kill_9_at_stage_boundaries_and_random_points(db18, spark, tmp_path) -> 
                 code = job.wait(timeout=300)
                 assert code == -signal.SIGKILL, f"failpoint {stage}: exit {code}\n{log.read_text()[-3000:]}"
                 _assert_confirmed_is_durable(conn, load, warehouse)
-            kill_at_random_points(conn, load, warehouse, lambda: Job(config, log), rng)
+            kill_at_random_points(conn, load, warehouse, lambda kill: Job(config, log), rng)
         finally:
             load.finish()
         job = Job(config, log)
