@@ -33,10 +33,7 @@ import psycopg
 
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
-from cdc_apply.changelog import enabled_changelog
-from cdc_apply.changelog_apply import (
-    TargetFollower, large_transactions_from_changelog, targets_follow_elsewhere, targets_from_changelog,
-)
+from cdc_apply.changelog_apply import changelog_sink
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
@@ -45,7 +42,7 @@ from cdc_apply.pgoutput.framing import Keepalive
 from cdc_apply.pipeline import prepare_source
 from cdc_apply.replication import BatchCut, ReplicationCore
 from cdc_apply.runtime import StopFlag
-from cdc_apply.sink import DeltaSink, RunSummary
+from cdc_apply.sink import RunSummary
 from cdc_apply.snapshot import Snapshotter
 from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.health import HealthMonitor
@@ -76,14 +73,8 @@ class LiveReplicator:
         self.metrics_server: MetricsServer | None = None
         self.health = HealthMonitor(config.source, self.metrics)
         self.summary = RunSummary(metrics=self.metrics)
-        self.changelog = enabled_changelog(spark, config)
-        self.follower: TargetFollower | None = None
-        if self.changelog is not None and config.changelog.follower == "in_process":
-            self.follower = TargetFollower(targets_from_changelog(self.changelog, self.applier, self.summary,
-                                                                  config.batching))
-        large_transactions_from_changelog(self.changelog, self.applier, config)
-        self.sink = DeltaSink(self.applier, self.summary, self.snapshotter, self.changelog,
-                              self.follower.logged if self.follower is not None else targets_follow_elsewhere(config))
+        self.sink, self.follower = changelog_sink(config, self.applier, self.summary, self.snapshotter)
+        self.changelog = self.sink.changelog
         self.confirmed = 0
         self.previous_reader: tuple[str, int, int] | None = None  # host, port, backend PID of the last stream
 

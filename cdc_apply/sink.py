@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.assemble import Transaction
 from cdc_apply.changelog import ChangeLog
+from cdc_apply.changerows.columns import ParsedRows
 from cdc_apply.lsn import pg_us_to_unix_us
 from cdc_apply.metrics import PipelineMetrics
 from cdc_apply.snapshot import Snapshotter, TableSnapshot
@@ -79,7 +80,11 @@ class DeltaSink:
         self.changelog = changelog
         self.targets_from_changelog = targets_from_changelog
 
-    def write_batch(self, batch: list[Transaction]) -> None:
+    def write_batch(self, batch: list[Transaction], *, stream_batch: tuple[str, int] | None = None,
+                    parsed: ParsedRows | None = None) -> BatchResult | None:
+        """``stream_batch`` and ``parsed``: a Structured Streaming micro-batch's identity and its rows as
+        the data source parsed them (``BatchApplier.apply``). Returns what the targets applied; None
+        when the targets follow from the change log instead."""
         if self.snapshotter is not None:
             self.summary.snapshots += self.snapshotter.sync_new(batch)
         if self.changelog is not None:
@@ -88,5 +93,7 @@ class DeltaSink:
             self.summary.logged(batch)
         if self.targets_from_changelog is not None:
             self.targets_from_changelog(batch)
-            return
-        self.summary.record(self.applier.apply(batch), batch)
+            return None
+        result = self.applier.apply(batch, stream_batch=stream_batch, parsed=parsed)
+        self.summary.record(result, batch)
+        return result

@@ -20,12 +20,16 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import psycopg
 
-from cdc_apply.config import Config, ConfigError, SourceConfig
+from cdc_apply.apply.batch import BatchApplier
+from cdc_apply.apply.options import apply_options
+from cdc_apply.changelog_apply import TargetFollower, changelog_sink
+from cdc_apply.config import Config, SourceConfig
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
 from cdc_apply.pipeline import prepare_source
 from cdc_apply.runtime import StopFlag
 from cdc_apply.sources.health import HealthMonitor
-from cdc_apply.spark.foreach import foreach_batch
+from cdc_apply.sink import RunSummary
+from cdc_apply.spark.foreach import foreach_batch, source_missing_value
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -71,13 +75,17 @@ def start_stream(config: Config, spark: SparkSession, with_function: Literal[Tru
 
 def start_stream(config: Config, spark: SparkSession, with_function: bool = False,
                  metrics: PipelineMetrics | None = None) -> Any:
-    """The query; with ``with_function`` also its foreach_batch function (``.summary``: batches, lag)."""
-    if config.changelog.enabled:
-        raise ConfigError("changelog.enabled: the Structured Streaming job (cdc-apply stream) does not write the "
-                          "change log yet; run the pipeline with cdc-apply run to keep one (docs/changelog.md)")
+    """The query; with ``with_function`` also its foreach_batch function (``.summary``: batches, lag;
+    ``.follower``: under ``changelog.confirm_after: changelog`` with ``targets: in_process``, the
+    running thread that brings the targets up from the change log, which the caller stops)."""
     limit = config.stream.max_changes_per_trigger or config.batching.max_changes
     reader = spark.readStream.format("pgoutput").options(**source_options(config.source, limit))
-    apply = foreach_batch(config, metrics=metrics)
+    applier = BatchApplier(spark, apply_options(config), missing_value=source_missing_value(config))
+    sink, follower = changelog_sink(config, applier, RunSummary(metrics=metrics))
+    if sink.changelog is not None:
+        sink.changelog.ensure()  # on this thread, before the follower reads it
+    apply = foreach_batch(config, metrics=metrics, sink=sink)
+    apply.follower = follower  # type: ignore[attr-defined]
     writer = (reader.load().writeStream.foreachBatch(apply).queryName(config.pipeline)
               .option("checkpointLocation", checkpoint_location(config)))
     if config.stream.trigger == "available_now":
@@ -85,6 +93,8 @@ def start_stream(config: Config, spark: SparkSession, with_function: bool = Fals
     else:
         writer = writer.trigger(processingTime=f"{config.stream.interval_seconds} seconds")
     query = writer.start()
+    if follower is not None:
+        follower.start()
     log.info("streaming query %s (id %s) started, checkpoint %s", config.pipeline, query.id,
              checkpoint_location(config))
     return (query, apply) if with_function else query
@@ -104,7 +114,8 @@ def run_stream(config: Config, spark: SparkSession, stop: StopFlag,
     metrics = metrics or PipelineMetrics(config.pipeline, stream_beat_interval(config))
     health = HealthMonitor(config.source, metrics)
     prepare_source(config)  # what the data source would create, and the slot's health, before the query starts
-    query = start_stream(config, spark, metrics=metrics)
+    query, apply = start_stream(config, spark, with_function=True, metrics=metrics)
+    follower: TargetFollower | None = apply.follower
     server: MetricsServer | None = None
     last_progress: object = None
     def tick() -> None:
@@ -116,20 +127,34 @@ def run_stream(config: Config, spark: SparkSession, stop: StopFlag,
             last_progress = stamp
         if health.due():
             _check_health(config, health)
+        if follower is not None:
+            follower.raise_error()
 
     try:
         if config.metrics.port is not None:
             server = MetricsServer(metrics, config.metrics.host, config.metrics.port)
         await_query(query, stop, tick)
+        if follower is not None and config.stream.trigger == "available_now":
+            _wait_for_the_targets(follower, stop)
     except BaseException as exc:
         metrics.error(exc)
         raise
     finally:
         if query.isActive:
             query.stop()
+        if follower is not None:
+            follower.stop()
         if server is not None:
             server.close()
     return [progress for progress in query.recentProgress if progress["numInputRows"] or progress["batchId"] == 0]
+
+
+def _wait_for_the_targets(follower: TargetFollower, stop: StopFlag) -> None:
+    """An ``available_now`` run ends with the targets holding what the change log holds (unless
+    stopped first: the next run's follower applies the rest)."""
+    logged = follower.applier.changelog.version
+    while logged is not None and not stop.event.is_set() and not follower.wait_for(logged, timeout=0.5):
+        follower.raise_error()
 
 
 def await_query(query: StreamingQuery, stop: StopFlag, tick: Callable[[], None] | None = None) -> None:

@@ -31,9 +31,11 @@ from cdc_apply.changelog_stream import start_changelog_stream
 from cdc_apply.config import ConfigError, parse_config
 from cdc_apply.live import BackgroundReplicator
 from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn
-from cdc_apply.pipeline import drain
+from cdc_apply.pipeline import drain, prepare_source
 from cdc_apply.replay import replay_changelog
+from cdc_apply.runtime import StopFlag
 from cdc_apply.status import pipeline_status
+from cdc_apply.stream_job import run_stream
 from tests.delta_oracle import delta_rows, file_statistics, parquet_writers, source_types
 from tests.reference_apply import postgres_rows
 from tests.test_decode_cli import _cli
@@ -239,6 +241,41 @@ def test_follow_changelog_keeps_the_targets_current_as_a_separate_streaming_job(
         in_process = _config(conninfo, warehouse, pipeline="separate", confirm_after="changelog")
         with pytest.raises(ConfigError, match="changelog.targets: cdc-apply follow-changelog"):
             start_changelog_stream(in_process, spark)
+
+
+def test_the_streaming_job_keeps_the_change_log_in_either_confirm_mode(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``cdc-apply stream`` (``available_now``) with the change log, two pipelines over the same load:
+    ``confirm_after: targets`` appends each micro-batch to the log and then applies it;
+    ``confirm_after: changelog`` only appends, and the job's follower thread brings the targets up
+    from the log before the run ends. Both logs hold the same changes, once each, and every target of
+    both equals PostgreSQL."""
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    configs = {}
+    for confirm_after in ("targets", "changelog"):
+        config = _config(conninfo, str(tmp_path / confirm_after), pipeline=f"streamed_{confirm_after}",
+                         confirm_after=confirm_after)
+        configs[confirm_after] = config.model_copy(update={"stream": config.stream.model_copy(
+            update={"trigger": "available_now"})})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        create_schema(conn, "load")
+        for config in configs.values():
+            prepare_source(config)  # the slot, before the load
+        load = Load(conninfo, sessions=2, rate_per_session=20, big_every=40).start()
+        time.sleep(3)
+        load.finish()
+        identities = {}
+        for confirm_after, config in configs.items():
+            progress = run_stream(config, spark, StopFlag())
+            assert sum(p["numInputRows"] for p in progress) > 300  # more than one micro-batch (max_changes)
+            assert_delta_equals_postgres(spark, conn, config.target.warehouse)
+            rows = ChangeLog(spark, config).read().select("commit_lsn", "xid", "seq", "relation_oid").collect()
+            identities[confirm_after] = {tuple(row) for row in rows}
+            assert len(identities[confirm_after]) == len(rows) > 0, "a change is in the log twice"
+        assert identities["targets"] == identities["changelog"]
+        followed = configs["changelog"]
+        assert AppliedPosition(followed.target.warehouse, followed.pipeline).read() == ChangeLog(spark, followed).version
+        assert AppliedPosition(configs["targets"].target.warehouse, configs["targets"].pipeline).read() is None
 
 
 def test_the_follower_yields_to_a_backlog_of_full_or_late_batches_until_the_stream_is_quiet() -> None:

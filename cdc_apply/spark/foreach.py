@@ -8,11 +8,11 @@ text maps are converted from the values it parsed; ``_cdc_change`` is parsed aga
 read schema types a column otherwise than the target, and kept for the row-by-row fallback and
 error messages.
 
-Invariant: every Delta commit of a micro-batch carries ``txnAppId = <query id>/<relation oid>``
-and ``txnVersion = <batch id>``. Spark runs a batch again after a failure with the same id and
-offsets, and a table that already holds that version skips it, so nothing is applied twice.
-The query id survives restarts from the same checkpoint; a new checkpoint is a new query whose
-batch ids start again at 0 under a new id, so an old version is never mistaken for a new one.
+Invariant: every Delta commit of a micro-batch carries ``txnAppId = <pipeline>/<relation oid>``
+and ``txnVersion = <the batch's last commit LSN>``, as ``cdc-apply run``'s do (docs/streaming.md,
+"foreach_batch(config)"): Spark re-running a batch, a batch cut short between two tables'
+commits, and a new checkpoint over applied changes all drop the rows at or below each table's
+version, so nothing is applied twice.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn
 from cdc_apply.metrics import PipelineMetrics
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import decode_message
-from cdc_apply.sink import RunSummary
+from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.spark.rows import MicroBatchRows
 
@@ -51,28 +51,33 @@ ROW_COLUMNS = ("relation_oid", "schema", "table", "key", "old", "new", "unchange
 
 
 def foreach_batch(config: Config | str | Path, *, live_source: bool = True,
-                  metrics: PipelineMetrics | None = None) -> Callable[[DataFrame, int], None]:
+                  metrics: PipelineMetrics | None = None, sink: DeltaSink | None = None) -> Callable[[DataFrame, int], None]:
     """A ``foreachBatch`` function applying ``format("pgoutput")`` micro-batches per ``config``.
 
     ``live_source=False`` for frames read from capture files: there is no server to ask for the value
     ``ADD COLUMN ... DEFAULT`` gave earlier rows, so that backfill is skipped, as ``replay`` does.
-    ``metrics`` is told every micro-batch (``cdc-apply stream`` serves them)."""
+    ``metrics`` is told every micro-batch (``cdc-apply stream`` serves them). ``sink``: where the
+    micro-batches go (``cdc-apply stream`` passes one that appends to the change log first,
+    ``changelog_apply.changelog_sink``); by default the targets only, through a ``BatchApplier`` made
+    at the first micro-batch, in its session."""
     settings = config if isinstance(config, Config) else load_config(config)
-    appliers: list[BatchApplier] = []  # one for the function's life: it keeps its table thread pool
-    summary = RunSummary(metrics=metrics)
+    sinks: list[DeltaSink] = [sink] if sink is not None else []  # one for the function's life: its applier keeps its table thread pool
+    summary = sink.summary if sink is not None else RunSummary(metrics=metrics)
 
     def apply_micro_batch(frame: DataFrame, batch_id: int) -> None:
         spark = frame.sparkSession
         query_id = streaming_query_id(spark)
-        if not appliers:
-            appliers.append(BatchApplier(spark, apply_options(settings),
-                                         missing_value=_source_lookup(settings) if live_source else None))
-        applier = appliers[0]
+        if not sinks:
+            sinks.append(DeltaSink(BatchApplier(spark, apply_options(settings), missing_value=source_missing_value(
+                settings) if live_source else None), summary))
         transactions, parsed = micro_batch_changes(frame.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
         if metrics is not None:
             metrics.received_changes(sum(len(t.changes) for t in transactions))
-        result = applier.apply(transactions, stream_batch=(query_id, batch_id), parsed=parsed)
-        summary.record(result, transactions)
+        result = sinks[0].write_batch(transactions, stream_batch=(query_id, batch_id), parsed=parsed)
+        if result is None:  # the targets follow from the change log
+            log.info("batch %d: %d transactions, %d changes in the change log", batch_id, len(transactions),
+                     sum(len(t.changes) for t in transactions))
+            return
         applied = [t for t in result.tables if not t.skipped]
         log.info("batch %d: %d transactions, %d changes to %d tables (%d already held it)%s", batch_id,
                  result.transactions, result.changes, len(applied), len(result.tables) - len(applied),
@@ -82,7 +87,8 @@ def foreach_batch(config: Config | str | Path, *, live_source: bool = True,
     return apply_micro_batch
 
 
-def _source_lookup(settings: Config) -> MissingValueLookup:
+def source_missing_value(settings: Config) -> MissingValueLookup:
+    """The value ``ADD COLUMN ... DEFAULT`` gave earlier rows, asked of the source (``BatchApplier``'s ``missing_value``)."""
     catalog = SourceCatalog(settings.source.conninfo())
 
     def lookup(relation_oid: int, column: str) -> MissingValue:
