@@ -274,7 +274,8 @@ def test_the_streaming_job_keeps_the_change_log_in_either_confirm_mode(db18, spa
             assert len(identities[confirm_after]) == len(rows) > 0, "a change is in the log twice"
         assert identities["targets"] == identities["changelog"]
         followed = configs["changelog"]
-        assert AppliedPosition(followed.target.warehouse, followed.pipeline).read() == ChangeLog(spark, followed).version
+        applied = AppliedPosition(followed.target.warehouse, followed.pipeline).read()
+        assert applied == ChangeLog(spark, followed).version
         assert AppliedPosition(configs["targets"].target.warehouse, configs["targets"].pipeline).read() is None
 
 

@@ -51,7 +51,8 @@ ROW_COLUMNS = ("relation_oid", "schema", "table", "key", "old", "new", "unchange
 
 
 def foreach_batch(config: Config | str | Path, *, live_source: bool = True,
-                  metrics: PipelineMetrics | None = None, sink: DeltaSink | None = None) -> Callable[[DataFrame, int], None]:
+                  metrics: PipelineMetrics | None = None,
+                  sink: DeltaSink | None = None) -> Callable[[DataFrame, int], None]:
     """A ``foreachBatch`` function applying ``format("pgoutput")`` micro-batches per ``config``.
 
     ``live_source=False`` for frames read from capture files: there is no server to ask for the value
@@ -61,7 +62,8 @@ def foreach_batch(config: Config | str | Path, *, live_source: bool = True,
     ``changelog_apply.changelog_sink``); by default the targets only, through a ``BatchApplier`` made
     at the first micro-batch, in its session."""
     settings = config if isinstance(config, Config) else load_config(config)
-    sinks: list[DeltaSink] = [sink] if sink is not None else []  # one for the function's life: its applier keeps its table thread pool
+    # One sink for the function's life: its applier keeps its table thread pool.
+    sinks: list[DeltaSink] = [sink] if sink is not None else []
     summary = sink.summary if sink is not None else RunSummary(metrics=metrics)
 
     def apply_micro_batch(frame: DataFrame, batch_id: int) -> None:
@@ -88,7 +90,8 @@ def foreach_batch(config: Config | str | Path, *, live_source: bool = True,
 
 
 def source_missing_value(settings: Config) -> MissingValueLookup:
-    """The value ``ADD COLUMN ... DEFAULT`` gave earlier rows, asked of the source (``BatchApplier``'s ``missing_value``)."""
+    """The value ``ADD COLUMN ... DEFAULT`` gave earlier rows, asked of the source (a ``BatchApplier``'s
+    ``missing_value``)."""
     catalog = SourceCatalog(settings.source.conninfo())
 
     def lookup(relation_oid: int, column: str) -> MissingValue:
