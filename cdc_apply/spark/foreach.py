@@ -73,12 +73,12 @@ def foreach_batch(config: Config | str | Path, *, live_source: bool = True,
             sinks.append(DeltaSink(BatchApplier(spark, apply_options(settings), missing_value=source_missing_value(
                 settings) if live_source else None), summary))
         transactions, parsed = micro_batch_changes(frame.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
+        changes = sum(len(t.changes) for t in transactions)
         if metrics is not None:
-            metrics.received_changes(sum(len(t.changes) for t in transactions))
+            metrics.received_changes(changes)
         result = sinks[0].write_batch(transactions, stream_batch=(query_id, batch_id), parsed=parsed)
         if result is None:  # the targets follow from the change log
-            log.info("batch %d: %d transactions, %d changes in the change log", batch_id, len(transactions),
-                     sum(len(t.changes) for t in transactions))
+            log.info("batch %d: %d transactions, %d changes in the change log", batch_id, len(transactions), changes)
             return
         applied = [t for t in result.tables if not t.skipped]
         log.info("batch %d: %d transactions, %d changes to %d tables (%d already held it)%s", batch_id,
