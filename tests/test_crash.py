@@ -75,11 +75,17 @@ def _assert_confirmed_is_durable(conn: psycopg.Connection, load: Load, warehouse
     rebuilds the table state of every new version."""
     confirmed = _confirmed(conn)
     covered = {seq for seq, lsn in dict(load.ledger_lsns).items() if lsn <= confirmed}
-    path = Path(warehouse) / "public" / "ledger"
-    in_delta = set() if not (path / "_delta_log").exists() else set(pa.RecordBatchReader.from_stream(
-        DeltaTable(str(path)).scan(columns=["seq"])).read_all().column("seq").to_pylist())
-    missing = covered - in_delta
+    missing = covered - ledger_seqs(warehouse)
     assert not missing, f"slot confirmed past {len(missing)} transactions Delta does not hold: {sorted(missing)[:5]}"
+
+
+def ledger_seqs(warehouse: str) -> set[int]:
+    """The ``seq`` of every ``ledger`` row in Delta, read by delta-rs."""
+    path = Path(warehouse) / "public" / "ledger"
+    if not (path / "_delta_log").exists():
+        return set()
+    return set(pa.RecordBatchReader.from_stream(DeltaTable(str(path)).scan(columns=["seq"])).read_all()
+               .column("seq").to_pylist())
 
 
 def crash_config(tmp_path: Path, conninfo: str, **sections: object) -> tuple[Path, str, Path]:

@@ -21,15 +21,20 @@ import psycopg
 import pytest
 
 from cdc_apply.bench.load import Load, create_schema
-from tests.test_crash import Job, _assert_confirmed_is_durable, crash_config, kill_at_random_points
+from tests.test_crash import Job, _assert_confirmed_is_durable, crash_config, kill_at_random_points, ledger_seqs
 from tests.test_live import assert_delta_equals_postgres
 
 QUERY_STARTED = "cdc_apply.stream_job: streaming query"
 FIRST_BATCH = "cdc_apply.spark.foreach: batch"
 
 
-def wait_until_delta_equals_postgres(spark, conn, warehouse: str, timeout: float) -> None:  # type: ignore[no-untyped-def]
+def wait_until_delta_equals_postgres(spark, conn, load: Load, warehouse: str,  # type: ignore[no-untyped-def]
+                                     timeout: float) -> None:
+    """Polled by delta-rs on ``ledger`` (cheap) until it holds every committed transaction, then by
+    the full oracle: a Spark read of every table per poll would compete with the job it waits for."""
     deadline = time.monotonic() + timeout
+    while not ledger_seqs(warehouse) >= set(load.ledger_lsns) and time.monotonic() < deadline:
+        time.sleep(2)
     while True:
         try:
             assert_delta_equals_postgres(spark, conn, warehouse)
@@ -60,7 +65,7 @@ def test_kill_9_the_streaming_job_at_random_points(db18, spark, tmp_path) -> Non
         job = Job(config, log, verb=("stream",), ready=FIRST_BATCH)
         try:
             assert job.streaming.wait(timeout=180), log.read_text()[-3000:]
-            wait_until_delta_equals_postgres(spark, conn, warehouse, timeout=600)
+            wait_until_delta_equals_postgres(spark, conn, load, warehouse, timeout=600)
         finally:
             job.process.send_signal(signal.SIGTERM)
         assert job.wait(timeout=300) == 0, log.read_text()[-3000:]
