@@ -171,7 +171,7 @@ def test_confirm_after_changelog_confirms_at_the_log_and_the_targets_follow(db18
             with BackgroundReplicator(config, spark) as follower:
                 time.sleep(4)
                 load.finish()
-                follower.wait_caught_up(timeout=180)
+                follower.wait_caught_up(timeout=600)
                 summary = follower.replicator.summary
                 log_version = follower.replicator.changelog.version
                 assert summary.metrics is not None and summary.metrics.targets_lsn._value.get() == log_version
@@ -215,7 +215,7 @@ def test_follow_changelog_keeps_the_targets_current_as_a_separate_streaming_job(
                 load.finish()
                 drain(config, spark)
                 version = ChangeLog(spark, config).version
-                deadline = time.monotonic() + 120
+                deadline = time.monotonic() + 600
                 while position.read() != version:
                     assert query.isActive, query.exception()
                     assert time.monotonic() < deadline, f"the targets hold the log up to {position.read()}, not {version}"

@@ -42,7 +42,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, captured.err
 
 
-def run_subprocess(*argv: str, memory_bytes: int = 2 * 1024**3, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run_subprocess(*argv: str, memory_bytes: int = 2 * 1024**3, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
 
@@ -336,7 +336,7 @@ def test_decode_changes_streams_its_output(tmp_path: Path) -> None:
 def test_bad_configs_exit_2_naming_the_key(tmp_path: Path, text: str, words: str) -> None:
     config = tmp_path / "c.yaml"
     config.write_text(text)
-    result = run_subprocess("validate", str(config), memory_bytes=1024**3, timeout=30)
+    result = run_subprocess("validate", str(config), memory_bytes=1024**3, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and f"cdc-apply: config error: {config}" in result.stderr
     assert words in result.stderr and len(result.stderr) < 2000, result.stderr

@@ -57,7 +57,7 @@ def _submit(config: Path, master: str) -> subprocess.CompletedProcess[str]:
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
-def _wait_port(port: int, timeout: float = 60) -> None:
+def _wait_port(port: int, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as probe:
@@ -83,7 +83,7 @@ def standalone_cluster(tmp_path: Path) -> Iterator[str]:
         worker = subprocess.Popen([spark_class, "org.apache.spark.deploy.worker.Worker", url, "--cores", "1",
                                    "--memory", "1g", "--webui-port", str(free_port())], env=env,
                                   stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180
         while "Successfully registered with master" not in (tmp_path / "worker.log").read_text():
             assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()[-2000:]
             time.sleep(0.3)

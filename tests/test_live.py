@@ -23,7 +23,7 @@ def live_config(conninfo: str, warehouse: str, **source: object):  # type: ignor
                          "target": {"warehouse": warehouse}, "batching": {"max_seconds": 1, "max_changes": 5000}})
 
 
-def wait_for_slot(conninfo: str, slot: str, timeout: float = 60) -> None:
+def wait_for_slot(conninfo: str, slot: str, timeout: float = 180) -> None:
     with psycopg.connect(conninfo, autocommit=True) as conn:
         deadline = time.monotonic() + timeout
         while not conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone():
@@ -55,7 +55,7 @@ def test_follow_streams_a_concurrent_workload_into_delta(db18, spark, tmp_path) 
             time.sleep(2)
             load.finish()
             conn.execute("COMMIT PREPARED 'live1'")
-            wait_until_caught_up(conninfo, "live")
+            wait_until_caught_up(conninfo, "live", timeout=300)
         summary = follower.replicator.summary
         assert load.committed > 300 and len(summary.batches) >= 3
         assert len(summary.lag_seconds) == load.committed + 1 and min(summary.lag_seconds) > 0
@@ -84,12 +84,12 @@ def test_follow_survives_connection_loss_and_a_server_crash_and_moves_an_idle_sl
             load = Load(server.dsn, sessions=2, rate_per_session=30, big_every=0, seed=2).start()
             time.sleep(4)
             load.finish()
-            wait_until_caught_up(server.dsn, "live")
+            wait_until_caught_up(server.dsn, "live", timeout=300)
             with psycopg.connect(server.dsn, autocommit=True) as conn:
                 # WAL from outside the publication: the idle slot follows it via keepalives.
                 conn.execute("CREATE TABLE unpublished (a int); INSERT INTO unpublished SELECT generate_series(1, 1000)")
                 target = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
-                wait_until_caught_up(server.dsn, "live")
+                wait_until_caught_up(server.dsn, "live", timeout=300)
                 confirmed = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots").fetchone()[0]
                 assert parse_lsn(confirmed) >= target
         with psycopg.connect(server.dsn, autocommit=True) as conn:

@@ -169,7 +169,7 @@ def test_a_column_added_while_the_export_waits_is_copied(any_db, spark, tmp_path
         result: list[object] = []
         copying = threading.Thread(target=lambda: result.append(drain(config, spark)), daemon=True)
         copying.start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180
         while not conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name LIKE 'cdc_apply_snapshot_%'"
                                ).fetchone():
             assert time.monotonic() < deadline and copying.is_alive()
@@ -203,7 +203,7 @@ def test_a_lost_exported_snapshot_fails_the_copy_clearly_and_the_rerun_resumes(d
     ended: list[int] = []
 
     def end_the_export_after_two_ranges() -> None:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         with psycopg.connect(conninfo, autocommit=True) as admin:
             while time.monotonic() < deadline and not ended:
                 # A range's commit: its userMetadata, escaped in the log's JSON, holds "method": "ranges".
