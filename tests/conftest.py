@@ -40,8 +40,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     longest = [next((i for i in items if i.nodeid.startswith(path)), None) for path in LONGEST_FIRST]
     rest = [i for i in items if i not in longest]
     first, second = [i for i in longest if i is not None][:1], [i for i in longest if i is not None][1:]
-    half = len(rest) // 2
-    items[:] = first + rest[:half] + second + rest[half:]
+    # xdist's worksteal hands the first worker items[:len // 2] and the second the rest, and steals
+    # from the ends of those lists: ``second`` goes at the head of the second worker's half.
+    split = len(items) // 2 - len(first)
+    items[:] = first + rest[:split] + second + rest[split:]
 
 
 @pytest.fixture(scope="session")
