@@ -101,7 +101,10 @@ def run_golden_workload(server: PgServer, dbname: str, slots: dict[str, bool]) -
         run("DELETE FROM other WHERE id % 3 = 0 AND id >= 10000")
     # Changes that came from elsewhere carry an Origin message.
     with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
-        conn.execute("SELECT pg_replication_origin_create('upstream')")
+        # Origins are cluster-wide: a second run on the same server (a module fixture set up again
+        # when pytest-xdist moves tests between workers) finds it there.
+        conn.execute("SELECT pg_replication_origin_create('upstream') WHERE NOT EXISTS "
+                     "(SELECT FROM pg_replication_origin WHERE roname = 'upstream')")
         conn.execute("SELECT pg_replication_origin_session_setup('upstream')")
         with conn.transaction():
             conn.execute("SELECT pg_replication_origin_xact_setup('0/AB', now())")
