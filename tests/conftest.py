@@ -83,12 +83,10 @@ def db18(pg18: PgServer) -> Iterator[tuple[PgServer, str]]:
 def spark():  # type: ignore[no-untyped-def]
     from cdc_apply.spark import build_spark_session
 
-    children = os.environ.pop("SPARK_SUBMIT_OPTS") if os.environ.get("SPARK_SUBMIT_OPTS") == CHILD_JVM_OPTIONS else None
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        if os.environ.get("SPARK_SUBMIT_OPTS") == CHILD_JVM_OPTIONS:  # ours, not the caller's
+            env.delenv("SPARK_SUBMIT_OPTS")
         session = build_spark_session()
-    finally:
-        if children is not None:
-            os.environ["SPARK_SUBMIT_OPTS"] = children
     yield session
     session.stop()
 
