@@ -102,10 +102,10 @@ def crash_config(tmp_path: Path, conninfo: str, **sections: object) -> tuple[Pat
 def kill_at_random_points(conn: psycopg.Connection, load: Load, warehouse: str, new_job: Callable[[int], Job],
                           rng: random.Random,
                           check: Callable[[psycopg.Connection, Load, str], None] = _assert_confirmed_is_durable,
-                          window: Callable[[int], float] = lambda kill: 6.0) -> None:
-    """RANDOM_KILLS times: start job number ``kill``, SIGKILL it at a random moment within
+                          window: Callable[[int], float] = lambda kill: 6.0, kills: int = RANDOM_KILLS) -> None:
+    """``kills`` times: start job number ``kill``, SIGKILL it at a random moment within
     ``window(kill)`` seconds of its ready line, ``check`` the slot against Delta."""
-    for kill in range(RANDOM_KILLS):
+    for kill in range(kills):
         job = new_job(kill)
         assert job.streaming.wait(timeout=180), job.log.read_text()[-3000:]
         # A new job's first batch is written 2-5 s after it streams: 0-6 s spans its receive, its
