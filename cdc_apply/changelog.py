@@ -19,6 +19,8 @@ Invariants:
   commit, the targets following from it (``confirm_after: changelog``, ``changelog_apply.py``).
 - The table names the pipeline that writes it and its layout (``cdc_apply.changelog`` property);
   another pipeline's log, or another layout, is refused, never appended to.
+- An initial copy's rows are not in the log: each copy is recorded (``record_copy``) before it
+  starts, and a rebuild that would lack its rows is refused (``refuse_if_copy_missing``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ log = logging.getLogger(__name__)
 LAYOUT = 1  # the columns of spark/rows.py's untyped rows, partitioned by relation_oid
 PROPERTY = "cdc_apply.changelog"
 TRIMMED_PROPERTY = "cdc_apply.changelog.trimmed_through"  # set by ``trim``: rows up to this LSN are gone
+# ``cdc_apply.changelog.copied.<relation oid>``: the table's last initial copy (or resync), whose rows
+# went to the target only: {"table", "lsn" (the copy's consistent point), "rows" (null until it ends)}.
+COPIED_PROPERTY = "cdc_apply.changelog.copied."
 # A piece of a spilled transaction costs the driver many times its size while it becomes decoded
 # changes, text images and Arrow. Driver peak and slot confirmed for a 1 GB transaction (``bench
 # memory --megabytes 1024 --updates --changelog``), when each piece went through a Spark frame:
@@ -254,6 +259,34 @@ class ChangeLog:
                 f"(its retention), and the target holds changes only up to "
                 f"{'nothing' if holds is None else format_lsn(holds)}: the changes in between are no longer in the "
                 "log. Rebuild this table by a resync (cdc-apply resync), not from the log")
+
+    def record_copy(self, oid: int, table: str, consistent_lsn: int, rows: int | None) -> None:
+        """A copy of ``table`` from the snapshot at ``consistent_lsn`` starts (``rows=None``) or ended
+        with ``rows`` rows. Recorded before it starts: a crash then leaves it recorded, rows unknown."""
+        self.ensure()
+        value = json.dumps({"table": table, "lsn": format_lsn(consistent_lsn), "rows": rows}, sort_keys=True)
+        self.spark.sql(f"ALTER TABLE {self.target.sql} SET TBLPROPERTIES ({sql_string(COPIED_PROPERTY + str(oid))} = "
+                       f"{sql_string(value)})")
+
+    def copies(self) -> dict[int, dict[str, Any]]:
+        """The tables' last copies, by relation oid (``record_copy``)."""
+        self.ensure()
+        return {int(key[len(COPIED_PROPERTY):]): json.loads(value)
+                for key, value in self.target.properties().items() if key.startswith(COPIED_PROPERTY)}
+
+    def refuse_if_copy_missing(self, oid: int, copy: dict[str, Any], holds: int | None) -> None:
+        """Refuses to bring a table up to date from the log when its rows came from a copy the log
+        lacks and its target (holding the log up to ``holds``; None: nothing) does not hold the copy."""
+        copied_at = parse_lsn(copy["lsn"])
+        if copy.get("rows") == 0 or (holds is not None and holds >= copied_at - 1):
+            return
+        rows = "an unknown number of" if copy.get("rows") is None else f"{copy['rows']}"
+        raise ChangeLogError(
+            f"{copy['table']} (relation {oid}): its target began with an initial copy at LSN {format_lsn(copied_at)} "
+            f"({rows} rows), and a copy's rows are not in the change log {self.target.location}; the target holds "
+            f"{'nothing' if holds is None else 'changes only up to ' + format_lsn(holds)}, so a rebuild from the log "
+            "would lack them. Rebuild this table by a resync (cdc-apply resync), or replay into a warehouse whose "
+            "target holds the copy")
 
     def last_lsn_committed_before(self, unix_seconds: float) -> int | None:
         """The commit LSN of the last transaction in the log committed before ``unix_seconds``."""

@@ -21,7 +21,7 @@ from cdc_apply.apply.targets import Target, TargetRegistry
 from cdc_apply.changelog import ChangeLog, ChangeLogError
 from cdc_apply.changelog_apply import ChangeLogApplier
 from cdc_apply.config import Config
-from cdc_apply.lsn import format_lsn
+from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.progress import progress
 from cdc_apply.replication import BatchCut, ReplicationCore
 from cdc_apply.sink import DeltaSink, RunSummary
@@ -47,13 +47,16 @@ def replay_changelog(spark: SparkSession, config: Config, options: ApplyOptions,
     """The change log's transactions (of one table, ``schema.table``; up to a commit LSN) applied to
     the targets of ``options.warehouse``, in windows of whole transactions of about ``max_changes``
     rows (a larger transaction is a window of its own). A target whose version is past what the log
-    holds is refused: the log lacks changes it has."""
+    holds is refused: the log lacks changes it has; so is a table whose rows began with an initial
+    copy, unless its target holds that copy (the log lacks the copy's rows)."""
     changelog = ChangeLog(spark, config)
     held = changelog.version
-    _refuse_targets_ahead(spark, options, changelog, held)
+    copies = changelog.copies()
+    _refuse_targets_ahead(spark, options, changelog, held, copies)
     frame = changelog.read(table, until_lsn)
     if changelog.trimmed_through is not None:
         _refuse_tables_trimmed_past(spark, options, changelog, frame)
+    _refuse_tables_without_their_copy(spark, options, changelog, table, copies)
     # No live source: the ADD COLUMN DEFAULT backfill is skipped.
     applier = ChangeLogApplier(changelog, BatchApplier(spark, options), max_changes=max_changes,
                                spill_bytes=config.batching.spill_bytes)
@@ -71,6 +74,16 @@ def _refuse_tables_trimmed_past(spark: SparkSession, options: ApplyOptions, chan
         changelog.refuse_if_trimmed_past(f"{row['schema']}.{row['table']}", holds)
 
 
+def _refuse_tables_without_their_copy(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog,
+                                      table: str | None, copies: dict[int, dict[str, Any]]) -> None:
+    """Each table the replay would apply whose rows began with an initial copy (which the log lacks)
+    must have a target that holds the copy already."""
+    registry = TargetRegistry(options.warehouse)
+    for oid, copy in copies.items():
+        if table is None or copy["table"] == table:
+            changelog.refuse_if_copy_missing(oid, copy, _target_holds(spark, options, oid, registry.get(oid)))
+
+
 def _target_holds(spark: SparkSession, options: ApplyOptions, oid: int, entry: dict[str, Any] | None) -> int | None:
     """The commit LSN the pipeline last applied to the relation's target in ``options.warehouse``
     (its registry ``entry``); None when it has none."""
@@ -78,10 +91,14 @@ def _target_holds(spark: SparkSession, options: ApplyOptions, oid: int, entry: d
     return target.committed_version(f"{options.pipeline}/{oid}") if target is not None and target.exists() else None
 
 
-def _refuse_targets_ahead(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog, held: int | None) -> None:
+def _refuse_targets_ahead(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog, held: int | None,
+                          copies: dict[int, dict[str, Any]]) -> None:
+    """A target past the log: unless its version is the copy the log recorded (a table copied after
+    the log's last transaction), it holds changes the log lacks."""
     for oid, entry in TargetRegistry(options.warehouse).entries().items():
         version = _target_holds(spark, options, oid, entry)
-        if version is not None and (held is None or version > held):
+        copied_at = parse_lsn(copies[oid]["lsn"]) if oid in copies else None
+        if version is not None and (held is None or version > held) and version != (copied_at or 0) - 1:
             raise ChangeLogError(
                 f"{entry['schema']}.{entry['table']}: its target holds changes up to LSN {format_lsn(version)}, "
                 f"past the change log {changelog.target.location} (up to "

@@ -47,6 +47,7 @@ from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED
 from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.targets import FileAppend, Target, quote
 from cdc_apply.assemble import Transaction
+from cdc_apply.changelog import enabled_changelog
 from cdc_apply.changerows.columns import inserted_images
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
@@ -98,6 +99,7 @@ class Snapshotter:
         self.config = config
         self.applier = applier
         self.resyncs = ResyncMarks(applier.options.warehouse, config.pipeline)
+        self.changelog = enabled_changelog(applier.spark, config)  # told of each copy: its rows are not in it
 
     def needs_copy(self, table: PublishedTable) -> bool:
         relation = table.relation
@@ -175,6 +177,8 @@ class Snapshotter:
                     "key": list(key), "columns": _column_signature(relation), **layout}
         copy = _TableCopyRun(table, target, since, progress, resumed,
                              datetime_to_pg_us(datetime.now(timezone.utc)))
+        if self.changelog is not None:
+            self.changelog.record_copy(relation.oid, table.qualified_name, since, None)
         if on_executors:
             try:
                 rows = self._copy_ranges(snapshot, copy, estimate)
@@ -195,6 +199,8 @@ class Snapshotter:
                 apply_actions(target, [], state, format_lsn(snapshot.consistent_lsn))
         target.record_version(self.applier.app_id(relation.oid), since - 1, json.dumps(
             {"cdc_apply": "snapshot complete", "rows": rows, "consistent_lsn": format_lsn(since)}))
+        if self.changelog is not None:
+            self.changelog.record_copy(relation.oid, table.qualified_name, since, rows)
         self.resyncs.remove(relation.oid)
         seconds = time.perf_counter() - started
         method = str(copy.progress["method"])

@@ -117,6 +117,23 @@ def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18
         assert accounts.committed_version(f"logged/{oid}") <= middle
         assert not (tmp_path / "partial" / "public" / "ledger").exists()
 
+        # A table whose rows came from an initial copy: the log lacks them, so a rebuild into a
+        # warehouse without the copy is refused, naming the table; where the target holds the copy,
+        # the replay goes on.
+        conn.execute("CREATE TABLE seeded (id int PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO seeded SELECT g, 'v' || g FROM generate_series(1, 3) g")
+        conn.execute("ALTER PUBLICATION load ADD TABLE seeded")
+        assert [s.rows for s in drain(config, spark).snapshots] == [3]
+        seeded_oid = conn.execute("SELECT 'seeded'::regclass::oid").fetchone()[0]
+        assert changelog.copies()[seeded_oid]["rows"] == 3
+        with pytest.raises(ChangeLogError, match=rf"public\.seeded \(relation {seeded_oid}\): its target began with "
+                                                 r"an initial copy at LSN .* \(3 rows\).* holds nothing"):
+            replay_changelog(spark, config, replace(apply_options(config), warehouse=str(tmp_path / "no_copy")))
+        assert not (tmp_path / "no_copy").exists()  # refused before it wrote anything
+        assert replay_changelog(spark, config, replace(apply_options(config), warehouse=str(tmp_path / "no_copy")),
+                                table="public.tags")  # another table still rebuilds
+        replay_changelog(spark, config, options=apply_options(config), table="public.seeded")  # the live target
+
         # Another pipeline's log, and targets ahead of the log, are refused.
         other = _config(conninfo, warehouse, pipeline="other", path=changelog.target.location)
         with pytest.raises(ChangeLogError, match="is the change log of pipeline 'logged', not 'other'"):
