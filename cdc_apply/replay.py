@@ -97,8 +97,8 @@ def _refuse_targets_ahead(spark: SparkSession, options: ApplyOptions, changelog:
     the log's last transaction), it holds changes the log lacks."""
     for oid, entry in TargetRegistry(options.warehouse).entries().items():
         version = _target_holds(spark, options, oid, entry)
-        copied_at = parse_lsn(copies[oid]["lsn"]) if oid in copies else None
-        if version is not None and (held is None or version > held) and version != (copied_at or 0) - 1:
+        copy_version = parse_lsn(copies[oid]["lsn"]) - 1 if oid in copies else None  # what a copy leaves
+        if version is not None and (held is None or version > held) and version != copy_version:
             raise ChangeLogError(
                 f"{entry['schema']}.{entry['table']}: its target holds changes up to LSN {format_lsn(version)}, "
                 f"past the change log {changelog.target.location} (up to "

@@ -67,7 +67,7 @@ def test_kill_9_with_the_slot_confirmed_at_the_change_log(db18, spark, tmp_path)
     with psycopg.connect(conninfo, autocommit=True) as conn:
         create_schema(conn, "load")
         conn.execute("SELECT pg_create_logical_replication_slot('crash', 'pgoutput')")
-        load = Load(conninfo, sessions=2, rate_per_session=3, big_every=300).start()
+        load = Load(conninfo, sessions=2, rate_per_session=2, big_every=200).start()
         try:
             kill_at_random_points(conn, load, warehouse, lambda kill: Job(config, log), random.Random(17),
                                   check=_assert_confirmed_is_in_the_log)

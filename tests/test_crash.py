@@ -125,7 +125,7 @@ def test_kill_9_at_stage_boundaries_and_random_points(db18, spark, tmp_path) -> 
     with psycopg.connect(conninfo, autocommit=True) as conn:
         create_schema(conn, "load")
         conn.execute("SELECT pg_create_logical_replication_slot('crash', 'pgoutput')")
-        load = Load(conninfo, sessions=2, rate_per_session=5, big_every=300).start()
+        load = Load(conninfo, sessions=2, rate_per_session=2, big_every=120).start()
         try:
             for stage in STAGES:
                 job = Job(config, log, failpoint=stage)

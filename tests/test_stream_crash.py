@@ -57,7 +57,7 @@ def test_kill_9_the_streaming_job_at_random_points(db18, spark, tmp_path) -> Non
     with psycopg.connect(conninfo, autocommit=True) as conn:
         create_schema(conn, "load")
         conn.execute("SELECT pg_create_logical_replication_slot('crash', 'pgoutput')")
-        load = Load(conninfo, sessions=2, rate_per_session=5, big_every=300).start()
+        load = Load(conninfo, sessions=2, rate_per_session=2, big_every=120).start()
         try:
             code = Job(config, log, verb=("stream",), failpoint="between_tables").wait(timeout=300)
             assert code == -signal.SIGKILL, f"failpoint between_tables: exit {code}\n{log.read_text()[-3000:]}"
