@@ -29,7 +29,7 @@ import gc
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -71,6 +71,20 @@ DICTIONARY_COLUMNS = ("origin", "schema", "table", "op", "key.key_value.key", "o
 
 class ChangeLogError(CdcApplyError):
     """A change log this pipeline must not write or read as its own."""
+
+
+@dataclass(frozen=True)
+class RecordedCopy:
+    """A table's last initial copy (or resync) as the log recorded it (``ChangeLog.record_copy``)."""
+
+    table: str  # schema.table
+    lsn: int  # the copy's consistent point
+    rows: int | None  # None: not ended (or cut short)
+
+    @property
+    def version(self) -> int:
+        """The version the copy leaves its target at."""
+        return self.lsn - 1
 
 
 def changelog_target(spark: SparkSession, config: Config, warehouse: str | None = None) -> Target:
@@ -268,21 +282,25 @@ class ChangeLog:
         self.spark.sql(f"ALTER TABLE {self.target.sql} SET TBLPROPERTIES ({sql_string(COPIED_PROPERTY + str(oid))} = "
                        f"{sql_string(value)})")
 
-    def copies(self) -> dict[int, dict[str, Any]]:
+    def copies(self) -> dict[int, RecordedCopy]:
         """The tables' last copies, by relation oid (``record_copy``)."""
         self.ensure()
-        return {int(key[len(COPIED_PROPERTY):]): json.loads(value)
-                for key, value in self.target.properties().items() if key.startswith(COPIED_PROPERTY)}
+        copies = {}
+        for key, value in self.target.properties().items():
+            if key.startswith(COPIED_PROPERTY):
+                fields = json.loads(value)
+                copies[int(key[len(COPIED_PROPERTY):])] = RecordedCopy(fields["table"], parse_lsn(fields["lsn"]),
+                                                                       fields["rows"])
+        return copies
 
-    def refuse_if_copy_missing(self, oid: int, copy: dict[str, Any], holds: int | None) -> None:
+    def refuse_if_copy_missing(self, oid: int, copy: RecordedCopy, holds: int | None) -> None:
         """Refuses to bring a table up to date from the log when its rows came from a copy the log
         lacks and its target (holding the log up to ``holds``; None: nothing) does not hold the copy."""
-        copied_at = parse_lsn(copy["lsn"])
-        if copy.get("rows") == 0 or (holds is not None and holds >= copied_at - 1):
+        if copy.rows == 0 or (holds is not None and holds >= copy.version):
             return
-        rows = "an unknown number of" if copy.get("rows") is None else f"{copy['rows']}"
+        rows = "an unknown number of" if copy.rows is None else f"{copy.rows}"
         raise ChangeLogError(
-            f"{copy['table']} (relation {oid}): its target began with an initial copy at LSN {format_lsn(copied_at)} "
+            f"{copy.table} (relation {oid}): its target began with an initial copy at LSN {format_lsn(copy.lsn)} "
             f"({rows} rows), and a copy's rows are not in the change log {self.target.location}; the target holds "
             f"{'nothing' if holds is None else 'changes only up to ' + format_lsn(holds)}, so a rebuild from the log "
             "would lack them. Rebuild this table by a resync (cdc-apply resync), or replay into a warehouse whose "

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.apply.options import ApplyOptions
 from cdc_apply.apply.targets import Target, TargetRegistry
-from cdc_apply.changelog import ChangeLog, ChangeLogError
+from cdc_apply.changelog import ChangeLog, ChangeLogError, RecordedCopy
 from cdc_apply.changelog_apply import ChangeLogApplier
 from cdc_apply.config import Config
-from cdc_apply.lsn import format_lsn, parse_lsn
+from cdc_apply.lsn import format_lsn
 from cdc_apply.progress import progress
 from cdc_apply.replication import BatchCut, ReplicationCore
 from cdc_apply.sink import DeltaSink, RunSummary
@@ -75,12 +75,12 @@ def _refuse_tables_trimmed_past(spark: SparkSession, options: ApplyOptions, chan
 
 
 def _refuse_tables_without_their_copy(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog,
-                                      table: str | None, copies: dict[int, dict[str, Any]]) -> None:
+                                      table: str | None, copies: dict[int, RecordedCopy]) -> None:
     """Each table the replay would apply whose rows began with an initial copy (which the log lacks)
     must have a target that holds the copy already."""
     registry = TargetRegistry(options.warehouse)
     for oid, copy in copies.items():
-        if table is None or copy["table"] == table:
+        if table is None or copy.table == table:
             changelog.refuse_if_copy_missing(oid, copy, _target_holds(spark, options, oid, registry.get(oid)))
 
 
@@ -92,13 +92,13 @@ def _target_holds(spark: SparkSession, options: ApplyOptions, oid: int, entry: d
 
 
 def _refuse_targets_ahead(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog, held: int | None,
-                          copies: dict[int, dict[str, Any]]) -> None:
+                          copies: dict[int, RecordedCopy]) -> None:
     """A target past the log: unless its version is the copy the log recorded (a table copied after
     the log's last transaction), it holds changes the log lacks."""
     for oid, entry in TargetRegistry(options.warehouse).entries().items():
         version = _target_holds(spark, options, oid, entry)
-        copy_version = parse_lsn(copies[oid]["lsn"]) - 1 if oid in copies else None  # what a copy leaves
-        if version is not None and (held is None or version > held) and version != copy_version:
+        if version is not None and (held is None or version > held) and \
+                (oid not in copies or version != copies[oid].version):
             raise ChangeLogError(
                 f"{entry['schema']}.{entry['table']}: its target holds changes up to LSN {format_lsn(version)}, "
                 f"past the change log {changelog.target.location} (up to "

@@ -125,7 +125,7 @@ def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18
         conn.execute("ALTER PUBLICATION load ADD TABLE seeded")
         assert [s.rows for s in drain(config, spark).snapshots] == [3]
         seeded_oid = conn.execute("SELECT 'seeded'::regclass::oid").fetchone()[0]
-        assert changelog.copies()[seeded_oid]["rows"] == 3
+        assert changelog.copies()[seeded_oid].rows == 3
         with pytest.raises(ChangeLogError, match=rf"public\.seeded \(relation {seeded_oid}\): its target began with "
                                                  r"an initial copy at LSN .* \(3 rows\).* holds nothing"):
             replay_changelog(spark, config, replace(apply_options(config), warehouse=str(tmp_path / "no_copy")))
