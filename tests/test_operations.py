@@ -230,8 +230,8 @@ def test_resync_under_load_and_after_a_kill_ends_equal(load_db, spark, tmp_path)
     conninfo, warehouse, conn = load_db
     config = _ops_config(conninfo, warehouse, {"range_pages": 1, "ranges_per_commit": 1})  # a commit per page
     drain(config, spark)
-    load = Load(conninfo, sessions=2, rate_per_session=40, big_every=30).start()
-    time.sleep(2)
+    load = Load(conninfo, sessions=2, rate_per_session=20, big_every=60).start()
+    time.sleep(4)  # ledger then holds 2 pages or more: Spark's tasks copy it, a range each
     # A column type that cannot widen (integer -> text): the resync rebuilds the target with it.
     conn.execute("ALTER TABLE ledger ALTER COLUMN amount TYPE text USING amount::text")
     copied = resync(config, spark, published_oids(config, ["public.ledger"]))
@@ -244,20 +244,26 @@ def test_resync_under_load_and_after_a_kill_ends_equal(load_db, spark, tmp_path)
     assert_delta_equals_postgres(spark, conn, warehouse)
 
     # Killed after 2 chunks: the target counts as not in sync until a later resync finishes it.
+    # Ranges of 2 pages, not 1: a resumed copy MERGEs each range by key, one commit each, in a new JVM.
+    pages = conn.execute("SELECT pg_relation_size('accounts') / 8192").fetchone()[0]
+    assert pages > 3 * 2, f"accounts has {pages} pages: too few ranges to resume after 2"
     load = Load(conninfo, sessions=1, rate_per_session=10, big_every=0, seed=2).start()
     time.sleep(1)
-    config_file = _write_config(tmp_path / "ops.yaml", config)
+    config_file = _write_config(tmp_path / "ops.yaml",
+                                _ops_config(conninfo, warehouse, {"range_pages": 2, "ranges_per_commit": 1}))
     env = {**os.environ, "CDC_APPLY_FAILPOINT": "snapshot_chunk:2"}
     killed = subprocess.run([sys.executable, "-m", "cdc_apply.cli", "resync", "--config", config_file,
                              "--table", "public.accounts"], env=env, capture_output=True, text=True, timeout=600)
     assert killed.returncode == -9, killed.stderr[-2000:]
     pending = {row["table"]: row["resync_pending"] for row in pipeline_status(config)["tables"]}
     assert pending == {name: name == "public.accounts" for name in TABLES}
-    done = subprocess.run([sys.executable, "-m", "cdc_apply.cli", "resync", "--config", config_file,
+    # The resumed copy commits the rest in one MERGE: where it resumes does not depend on its commits.
+    rest_in_one_commit = _write_config(tmp_path / "ops-rest.yaml", _ops_config(conninfo, warehouse, {"range_pages": 2}))
+    done = subprocess.run([sys.executable, "-m", "cdc_apply.cli", "resync", "--config", rest_in_one_commit,
                            "--table", "public.accounts"], capture_output=True, text=True, timeout=600)
     load.finish()
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "resuming the copy of public.accounts after range [0, 2]" in done.stderr
+    assert "resuming the copy of public.accounts after range [0, 4]" in done.stderr
     assert not any(row["resync_pending"] for row in pipeline_status(config)["tables"])
     drain(config, spark)
     assert_delta_equals_postgres(spark, conn, warehouse)
