@@ -166,7 +166,9 @@ class Target:
         for each table a restarted pipeline checks. Without a checksum, or when the table expires
         SetTransactions (``delta.setTransactionRetentionDuration``, which the checksum does not
         apply), the state is rebuilt."""
-        snapshot = self._snapshot()
+        return self._versions_in(self._snapshot())
+
+    def _versions_in(self, snapshot: Any) -> dict[str, int]:
         checksum = snapshot.checksumOpt()
         if checksum.isDefined() and checksum.get().setTransactions().isDefined() \
                 and snapshot.minSetTransactionRetentionTimestamp().isEmpty():
@@ -225,10 +227,23 @@ class Target:
         self.spark.sql(f"DELETE FROM {self.sql}")
 
     def record_version(self, app_id: str, version: int, user_metadata: str) -> None:
-        """An empty commit whose only news is ``app_id`` reaching ``version`` (Delta's SetTransaction)."""
+        """An empty commit whose only news is ``app_id`` reaching ``version`` (Delta's SetTransaction),
+        skipped when ``app_id`` holds ``version`` or later already, as Delta's own check would.
+
+        Committed as a ``KnownVersionAppend`` of no files, opened at the log version whose
+        SetTransactions were read: an empty append under the commit confs is a Spark job, and
+        Delta's check may rebuild the table state. Seconds of each table's initial copy."""
         from cdc_apply.apply.sessionconf import delta_commit_conf
 
-        with delta_commit_conf(self.spark, app_id, version, user_metadata):
+        snapshot = self._snapshot()
+        held = self._versions_in(snapshot).get(app_id)
+        if held is not None and held >= version:
+            return
+        append = self.open_known_version_append(app_id, int(snapshot.version()))
+        if append is not None:
+            append.commit(version, user_metadata)
+            return
+        with delta_commit_conf(self.spark, app_id, version, user_metadata):  # the log moved: Delta checks
             self.write(self.read().limit(0), "append")
 
     def append_known_version(self, frame: DataFrame, app_id: str, txn_version: int, user_metadata: str,
