@@ -83,7 +83,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         options = replace(options, warehouse=args.warehouse)
-    spark = build_spark_session(config.spark)
+    spark = build_spark_session(config.spark, pgoutput=False)
     max_changes = args.max_changes or config.batching.max_changes
     if args.changelog:
         from cdc_apply.lsn import parse_lsn
@@ -118,7 +118,7 @@ def _cmd_trim_changelog(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if not config.changelog.enabled:
         raise ConfigError(f"{args.config}: changelog.enabled is false: there is no change log to trim")
-    changelog = ChangeLog(build_spark_session(config.spark), config)
+    changelog = ChangeLog(build_spark_session(config.spark, pgoutput=False), config)
     if through is None:
         through = changelog.last_lsn_committed_before(time.time() - args.older_than_days * 86400)
     if through is None:
@@ -146,7 +146,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from cdc_apply.replay import print_summary
 
     config = load_config(args.config)
-    spark = build_spark_session(config.spark)
+    spark = build_spark_session(config.spark, pgoutput=False)
     with StopFlag().on_signals() as stop:
         if args.follow:
             from cdc_apply.live import follow
@@ -173,7 +173,7 @@ def _cmd_stream(args: argparse.Namespace) -> int:
     from cdc_apply.stream_job import offset_lsn, run_stream
 
     config = load_config(args.config)
-    spark = build_spark_session(config.spark)
+    spark = build_spark_session(config.spark, pgoutput=False)
     with StopFlag().on_signals() as stop:
         batches = run_stream(config, spark, stop)
     for progress in batches:
@@ -192,7 +192,7 @@ def _cmd_follow_changelog(args: argparse.Namespace) -> int:
     from cdc_apply.stream_job import await_query
 
     config = load_config(args.config)
-    spark = build_spark_session(config.spark)
+    spark = build_spark_session(config.spark, pgoutput=False)
     with StopFlag().on_signals() as stop:
         query = start_changelog_stream(config, spark, once=args.once)
         try:
@@ -234,7 +234,7 @@ def _cmd_resync(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     config = load_config(args.config)
     oids = published_oids(config, None if args.all else args.table)  # a wrong name fails before Spark starts
-    copied = resync(config, build_spark_session(config.spark), oids)
+    copied = resync(config, build_spark_session(config.spark, pgoutput=False), oids)
     for table in copied:
         print(f"resync {table.table}: {table.rows} rows at {format_lsn(table.consistent_lsn)} in {table.seconds:.1f} s")
     return EXIT_OK

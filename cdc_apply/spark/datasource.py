@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psycopg
 import pyarrow as pa
@@ -44,6 +45,9 @@ from cdc_apply.sources.slot import (
 from cdc_apply.spark.options import ReaderOptions, reader_options
 from cdc_apply.spark.rows import SPARK_DDL, record_batches, typed_schema
 from cdc_apply.spark.typed import TableImages, images_from_catalog, images_from_relations
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 
 class PgOutputDataSource(DataSource):
@@ -240,6 +244,6 @@ class PgOutputStreamReader(DataSourceStreamReader):
             del self._confirm[stale]
 
 
-def register(spark: object) -> None:
+def register(spark: SparkSession) -> None:
     """Make ``format("pgoutput")`` available in this Spark session."""
-    spark.dataSource.register(PgOutputDataSource)  # type: ignore[attr-defined]
+    spark.dataSource.register(PgOutputDataSource)

@@ -175,6 +175,7 @@ def copy_frame(spark: SparkSession, copy: TableCopy, ranges: Sequence[CopyRange]
     ``copy.files_root``, the files the tasks wrote (``FILE_COLUMNS``)."""
     tasks = max(1, min(tasks, len(ranges)))
     spread = [list(ranges[i::tasks]) for i in range(tasks)]
+    spark.dataSource.register(PgCopyDataSource)  # format("pgcopy")
     return (spark.read.format("pgcopy").option("copy", _pickled(copy)).option("ranges", _pickled(spread)).load())
 
 
@@ -203,10 +204,6 @@ def task_errors(table: str) -> Iterator[None]:
         if kind == "SnapshotLost":
             raise SnapshotLost(message) from None
         raise CdcApplyError(f"the copy of {table} failed in a Spark task: {kind}: {message}") from None
-
-
-def register(spark: SparkSession) -> None:
-    spark.dataSource.register(PgCopyDataSource)
 
 
 def _pickled(value: object) -> str:

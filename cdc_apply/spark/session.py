@@ -58,11 +58,15 @@ def spark_conf(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     return conf
 
 
-def build_spark_session(overrides: Mapping[str, str] | None = None) -> SparkSession:
+def build_spark_session(overrides: Mapping[str, str] | None = None, *, pgoutput: bool = True) -> SparkSession:
     """A Spark session with Delta configured from the cached jars, UTC, quiet logs, and the
     ``pgoutput`` data source registered.
 
     ``overrides`` is the ``spark`` section of the config: any Spark conf, including ``spark.master``.
+    ``pgoutput=False`` leaves the data source out (the CLI's verbs and the jobs): the first Python data
+    source a session registers makes Spark look for installed ones in a new Python worker, about 2 s
+    of a job's start. Code that reads ``format("pgoutput")`` or ``format("pgcopy")`` registers it
+    itself before it reads (registering it again is quiet and cheap).
     """
     from pyspark.sql import SparkSession
 
@@ -75,10 +79,10 @@ def build_spark_session(overrides: Mapping[str, str] | None = None) -> SparkSess
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
-    from cdc_apply.spark import datasource, pgcopy
+    if pgoutput:
+        from cdc_apply.spark import datasource
 
-    datasource.register(spark)  # format("pgoutput")
-    pgcopy.register(spark)  # format("pgcopy"): the initial copy's tasks
+        datasource.register(spark)
     return spark
 
 
