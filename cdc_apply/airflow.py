@@ -25,7 +25,7 @@ def run_batch(config_path: str, spark_conf: dict[str, str] | None = None) -> dic
     from cdc_apply.replay import table_totals
 
     config = load_config(config_path)
-    spark = build_spark_session({**config.spark, **(spark_conf or {})}, pgoutput=False)
+    spark = build_spark_session({**config.spark, **(spark_conf or {})}, register_pgoutput=False)
     started = time.time()
     summary = drain(config, spark)
     totals, _ = table_totals(summary.batches)

@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import psycopg
 
@@ -20,9 +21,22 @@ from cdc_apply.logs import redact
 from cdc_apply.lsn import format_lsn
 from cdc_apply.runtime import tune_gc
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from cdc_apply.config import Config
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+
+
+def _spark_session(config: Config) -> SparkSession:
+    """The verbs' session. None reads ``format("pgoutput")`` but `stream`, which registers it itself:
+    registering it here would cost each job's start a Python worker (``build_spark_session``)."""
+    from cdc_apply.spark import build_spark_session
+
+    return build_spark_session(config.spark, register_pgoutput=False)
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
@@ -66,7 +80,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from cdc_apply.spark import build_spark_session
     from cdc_apply.apply.options import apply_options
     from cdc_apply.config import Config, load_config
     from cdc_apply.replay import print_summary, replay
@@ -83,7 +96,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         options = replace(options, warehouse=args.warehouse)
-    spark = build_spark_session(config.spark, pgoutput=False)
+    spark = _spark_session(config)
     max_changes = args.max_changes or config.batching.max_changes
     if args.changelog:
         from cdc_apply.lsn import parse_lsn
@@ -107,7 +120,6 @@ def _cmd_trim_changelog(args: argparse.Namespace) -> int:
     from cdc_apply.changelog_apply import AppliedPosition
     from cdc_apply.config import load_config
     from cdc_apply.lsn import parse_lsn
-    from cdc_apply.spark import build_spark_session
 
     if (args.through_lsn is None) == (args.older_than_days is None):
         raise ConfigError("trim-changelog: give --through-lsn or --older-than-days, one of them")
@@ -118,7 +130,7 @@ def _cmd_trim_changelog(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if not config.changelog.enabled:
         raise ConfigError(f"{args.config}: changelog.enabled is false: there is no change log to trim")
-    changelog = ChangeLog(build_spark_session(config.spark, pgoutput=False), config)
+    changelog = ChangeLog(_spark_session(config), config)
     if through is None:
         through = changelog.last_lsn_committed_before(time.time() - args.older_than_days * 86400)
     if through is None:
@@ -139,14 +151,13 @@ def _cmd_trim_changelog(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from cdc_apply.spark import build_spark_session
     from cdc_apply.config import load_config
     from cdc_apply.pipeline import drain
     from cdc_apply.runtime import StopFlag
     from cdc_apply.replay import print_summary
 
     config = load_config(args.config)
-    spark = build_spark_session(config.spark, pgoutput=False)
+    spark = _spark_session(config)
     with StopFlag().on_signals() as stop:
         if args.follow:
             from cdc_apply.live import follow
@@ -167,13 +178,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_stream(args: argparse.Namespace) -> int:
-    from cdc_apply.spark import build_spark_session
     from cdc_apply.config import load_config
     from cdc_apply.runtime import StopFlag
     from cdc_apply.stream_job import offset_lsn, run_stream
 
     config = load_config(args.config)
-    spark = build_spark_session(config.spark, pgoutput=False)
+    spark = _spark_session(config)
     with StopFlag().on_signals() as stop:
         batches = run_stream(config, spark, stop)
     for progress in batches:
@@ -188,11 +198,10 @@ def _cmd_follow_changelog(args: argparse.Namespace) -> int:
     from cdc_apply.changelog_stream import start_changelog_stream
     from cdc_apply.config import load_config
     from cdc_apply.runtime import StopFlag
-    from cdc_apply.spark import build_spark_session
     from cdc_apply.stream_job import await_query
 
     config = load_config(args.config)
-    spark = build_spark_session(config.spark, pgoutput=False)
+    spark = _spark_session(config)
     with StopFlag().on_signals() as stop:
         query = start_changelog_stream(config, spark, once=args.once)
         try:
@@ -225,7 +234,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_resync(args: argparse.Namespace) -> int:
-    from cdc_apply.spark import build_spark_session
     from cdc_apply.config import load_config
     from cdc_apply.resync import published_oids, resync
 
@@ -234,7 +242,7 @@ def _cmd_resync(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     config = load_config(args.config)
     oids = published_oids(config, None if args.all else args.table)  # a wrong name fails before Spark starts
-    copied = resync(config, build_spark_session(config.spark, pgoutput=False), oids)
+    copied = resync(config, _spark_session(config), oids)
     for table in copied:
         print(f"resync {table.table}: {table.rows} rows at {format_lsn(table.consistent_lsn)} in {table.seconds:.1f} s")
     return EXIT_OK

@@ -29,7 +29,7 @@ from cdc_apply.pipeline import prepare_source
 from cdc_apply.runtime import StopFlag
 from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sink import RunSummary
-from cdc_apply.spark.datasource import register
+from cdc_apply.spark.datasource import register as register_pgoutput
 from cdc_apply.spark.foreach import foreach_batch, source_missing_value
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def start_stream(config: Config, spark: SparkSession, with_function: bool = Fals
     ``.follower``: under ``changelog.confirm_after: changelog`` with ``targets: in_process``, the
     running thread that brings the targets up from the change log, which the caller stops)."""
     limit = config.stream.max_changes_per_trigger or config.batching.max_changes
-    register(spark)
+    register_pgoutput(spark)
     reader = spark.readStream.format("pgoutput").options(**source_options(config.source, limit))
     applier = BatchApplier(spark, apply_options(config), missing_value=source_missing_value(config))
     sink, follower = changelog_sink(config, applier, RunSummary(metrics=metrics))

@@ -58,12 +58,12 @@ def spark_conf(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     return conf
 
 
-def build_spark_session(overrides: Mapping[str, str] | None = None, *, pgoutput: bool = True) -> SparkSession:
+def build_spark_session(overrides: Mapping[str, str] | None = None, *, register_pgoutput: bool = True) -> SparkSession:
     """A Spark session with Delta configured from the cached jars, UTC, quiet logs, and the
     ``pgoutput`` data source registered.
 
     ``overrides`` is the ``spark`` section of the config: any Spark conf, including ``spark.master``.
-    ``pgoutput=False`` leaves the data source out (the CLI's verbs and the jobs): the first Python data
+    ``register_pgoutput=False`` leaves the data source out (the CLI's verbs and the jobs): the first Python data
     source a session registers makes Spark look for installed ones in a new Python worker, about 2 s
     of a job's start. Code that reads ``format("pgoutput")`` or ``format("pgcopy")`` registers it
     itself before it reads (registering it again is quiet and cheap).
@@ -79,7 +79,7 @@ def build_spark_session(overrides: Mapping[str, str] | None = None, *, pgoutput:
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
-    if pgoutput:
+    if register_pgoutput:
         from cdc_apply.spark import datasource
 
         datasource.register(spark)
