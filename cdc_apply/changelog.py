@@ -36,12 +36,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cdc_apply.apply.sessionconf import delta_commit_conf
-from cdc_apply.apply.files import WrittenFile, new_file_name, write_parquet_file
+from cdc_apply.apply.files import WrittenFile
 from cdc_apply.apply.targets import FileAppend, KnownVersionAppend, Target, sql_string
 from cdc_apply.assemble import SpilledChanges, Transaction
 from cdc_apply.config import Config
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn, parse_lsn
+from cdc_apply.pgoutput import messages as m
+from cdc_apply.spark.log_files import COPY_XID, MAX_SEQ, CopyLog, write_log_file
 from cdc_apply.spark.rows import SOURCE_SCHEMA, SPARK_DDL, record_batches
 
 if TYPE_CHECKING:
@@ -61,13 +63,6 @@ COPIED_PROPERTY = "cdc_apply.changelog.copied."
 # 8 MiB 346 MB / 73 s, 4 MiB 310 MB / 92 s, 16 MiB (MAX_PIECE_BYTES) up to 462 MB; since the driver
 # writes the pieces' files itself, 8 MiB 319 MB / 25 s.
 LOG_PIECE_BYTES = 8 * 1024 * 1024
-# The Parquet column paths of the layout that get min/max statistics (those a read prunes by) and
-# dictionary encoding (those whose values repeat). Writing every column's statistics, and trying a
-# dictionary for every message and image value, took 30% longer for a file 6% larger.
-STATISTICS_COLUMNS = ("commit_lsn", "commit_ts", "xid", "seq", "end_lsn")
-DICTIONARY_COLUMNS = ("origin", "schema", "table", "op", "key.key_value.key", "old.key_value.key",
-                      "new.key_value.key", "unchanged.list.element", "_cdc_relation")
-
 
 class ChangeLogError(CdcApplyError):
     """A change log this pipeline must not write or read as its own."""
@@ -80,6 +75,7 @@ class RecordedCopy:
     table: str  # schema.table
     lsn: int  # the copy's consistent point
     rows: int | None  # None: not ended (or cut short)
+    logged: bool = False  # its rows are in the log (``CopyLog``): a rebuild from the log holds them
 
     @property
     def version(self) -> int:
@@ -244,10 +240,7 @@ class ChangeLog:
                     rows = batch if len(oids) == 1 else batch.filter(pc.equal(batch["relation_oid"], oid))
                     by_relation.setdefault(oid, []).append(rows.drop_columns(["relation_oid"]))
             for oid, group in by_relation.items():
-                file = write_parquet_file(self.target.local_root, f"relation_oid={oid}/{new_file_name(0)}", group,
-                                          partition_values={"relation_oid": str(oid)},
-                                          statistics=STATISTICS_COLUMNS, dictionary=DICTIONARY_COLUMNS)
-                if file is not None:
+                if (file := write_log_file(self.target.local_root, oid, group)) is not None:
                     written.append(file)
         return written
 
@@ -274,13 +267,51 @@ class ChangeLog:
                 f"{'nothing' if holds is None else format_lsn(holds)}: the changes in between are no longer in the "
                 "log. Rebuild this table by a resync (cdc-apply resync), not from the log")
 
-    def record_copy(self, oid: int, table: str, consistent_lsn: int, rows: int | None) -> None:
+    def record_copy(self, oid: int, table: str, consistent_lsn: int, rows: int | None, logged: bool = False) -> None:
         """A copy of ``table`` from the snapshot at ``consistent_lsn`` starts (``rows=None``) or ended
-        with ``rows`` rows. Recorded before it starts: a crash then leaves it recorded, rows unknown."""
+        with ``rows`` rows, ``logged`` when the log holds them all. Recorded before it starts: a crash
+        then leaves it recorded, rows unknown, not logged."""
         self.ensure()
-        value = json.dumps({"table": table, "lsn": format_lsn(consistent_lsn), "rows": rows}, sort_keys=True)
+        value = json.dumps({"table": table, "lsn": format_lsn(consistent_lsn), "rows": rows, "logged": logged},
+                           sort_keys=True)
         self.spark.sql(f"ALTER TABLE {self.target.sql} SET TBLPROPERTIES ({sql_string(COPIED_PROPERTY + str(oid))} = "
                        f"{sql_string(value)})")
+
+    def copy_log(self, relation: m.Relation, version: int, commit_ts: int, seqs: int) -> CopyLog | None:
+        """Where an attempt at copying ``relation`` at ``version`` (commit time ``commit_ts``) puts its rows
+        in the log, needing ``seqs`` seqs; its Truncate row is committed first. None when the copy
+        cannot be logged: a log that takes only Delta's writer (by catalog name, on object storage),
+        or too many rows for the int32 ``seq`` column."""
+        self.ensure()
+        files = self.target.open_file_append(("relation_oid",))
+        if files is None or not self._takes_layout(files.fields):
+            return None
+        frame = self.target.read()
+        held = frame.where((frame["relation_oid"] == relation.oid) & (frame["commit_lsn"] == version)) \
+            .agg({"seq": "max"}).collect()[0][0]
+        first = 0 if held is None else held + 1  # an earlier attempt at the same version: after its rows
+        if first + seqs > MAX_SEQ:
+            log.warning("%s.%s: the copy's rows are not written to the change log: it would need seqs up to %d, "
+                        "past the int32 column's %d (a rebuild of this table from the log is refused)",
+                        relation.namespace, relation.name, first + seqs, MAX_SEQ)
+            return None
+        copy = CopyLog(self.target.local_root, relation, version, commit_ts, first)
+        truncate = copy.write([copy.truncate()])
+        assert truncate is not None
+        self.commit_copy([truncate], relation, version, files)
+        return copy
+
+    def commit_copy(self, written: Sequence[WrittenFile], relation: m.Relation, version: int,
+                    files: FileAppend | None = None) -> None:
+        """Files of a copy's rows (``CopyLog``) in one commit of the log, without the batches' version:
+        whether the log holds a copy is recorded by ``record_copy(logged=True)`` once it ends."""
+        files = files or self.target.open_file_append(("relation_oid",))
+        if files is None:
+            raise ChangeLogError(f"{self.target.location}: the change log no longer takes files written outside "
+                                 f"Delta's writer; the copy of {relation.namespace}.{relation.name} stops")
+        files.commit(written, json.dumps({"cdc_apply": "changelog copy", "pipeline": self.pipeline,
+                                          "relation_oid": relation.oid, "version": format_lsn(version),
+                                          "rows": sum(file.rows for file in written)}, sort_keys=True))
 
     def copies(self) -> dict[int, RecordedCopy]:
         """The tables' last copies, by relation oid (``record_copy``)."""
@@ -290,15 +321,23 @@ class ChangeLog:
             if key.startswith(COPIED_PROPERTY):
                 fields = json.loads(value)
                 copies[int(key[len(COPIED_PROPERTY):])] = RecordedCopy(fields["table"], parse_lsn(fields["lsn"]),
-                                                                       fields["rows"])
+                                                                       fields["rows"], bool(fields.get("logged")))
         return copies
 
-    def refuse_if_copy_missing(self, oid: int, copy: RecordedCopy, holds: int | None) -> None:
-        """Refuses to bring a table up to date from the log when its rows came from a copy the log
-        lacks and its target (holding the log up to ``holds``; None: nothing) does not hold the copy."""
+    def refuse_if_copy_missing(self, oid: int, copy: RecordedCopy, holds: int | None, until_lsn: int | None = None) -> None:
+        """Refuses to bring a table up to date from the log (up to ``until_lsn``; None: all of it) when its
+        rows came from a copy its target (holding the log up to ``holds``; None: nothing) does not hold,
+        and the log lacks the copy's rows, or the rebuild ends before the copy."""
         if copy.rows == 0 or (holds is not None and holds >= copy.version):
             return
         rows = "an unknown number of" if copy.rows is None else f"{copy.rows}"
+        if copy.logged:
+            if until_lsn is None or until_lsn >= copy.version:
+                return
+            raise ChangeLogError(
+                f"{copy.table} (relation {oid}): its rows came from an initial copy at LSN {format_lsn(copy.lsn)} "
+                f"({rows} rows), after LSN {format_lsn(until_lsn)}: the change log {self.target.location} holds the "
+                "table from that copy on, so it cannot rebuild the table as of an earlier LSN")
         raise ChangeLogError(
             f"{copy.table} (relation {oid}): its target began with an initial copy at LSN {format_lsn(copy.lsn)} "
             f"({rows} rows), and a copy's rows are not in the change log {self.target.location}; the target holds "
@@ -328,10 +367,14 @@ class ChangeLog:
         metrics = self.spark.sql(f"DELETE FROM {self.target.sql} WHERE commit_lsn <= {int(through)}").collect()
         return int(metrics[0][0]) if metrics and metrics[0][0] is not None else 0
 
-    def read(self, table: str | None = None, until_lsn: int | None = None, after: int | None = None) -> DataFrame:
-        """The log's rows (of one table, ``schema.table``; after and up to a commit LSN), in no order."""
+    def read(self, table: str | None = None, until_lsn: int | None = None, after: int | None = None,
+             copies: bool = True) -> DataFrame:
+        """The log's rows (of one table, ``schema.table``; after and up to a commit LSN), in no order;
+        without the rows of copies unless ``copies`` (the targets' followers: a copy writes its target)."""
         self.ensure()
         frame = self.target.read()
+        if not copies:
+            frame = frame.where(frame["xid"] != COPY_XID)
         if table is not None:
             schema, _, name = table.partition(".")
             frame = frame.where((frame["schema"] == schema) & (frame["table"] == name))

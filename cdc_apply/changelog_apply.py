@@ -215,7 +215,7 @@ class ChangeLogApplier:
         driver's apply, which then skips the tables applied here by their versions."""
         started = time.perf_counter()
         lsn = transaction.commit_lsn
-        found = self._tables_on_executors(self.changelog.read(after=lsn - 1, until_lsn=lsn))
+        found = self._tables_on_executors(self.changelog.read(after=lsn - 1, until_lsn=lsn, copies=False))
         if found is None or found[2]:
             return None
         return BatchResult(1, lsn, lsn, found[1], time.perf_counter() - started)
@@ -322,7 +322,7 @@ class ChangeLogApplier:
         if held is None or (after is not None and held <= after):
             return []
         self.changelog.refuse_if_trimmed_past(f"the targets of {self.applier.options.warehouse}", after)
-        frame = self.changelog.read(after=after, until_lsn=held)
+        frame = self.changelog.read(after=after, until_lsn=held, copies=False)  # a copy wrote its target itself
         log.info("bringing the targets up to date from the change log: %s .. %s",
                  "the start" if after is None else format_lsn(after), format_lsn(held))
         results = self.apply(frame, stopping=stopping)

@@ -33,6 +33,7 @@ from cdc_apply.changelog_apply import AppliedPosition, ChangeLogApplier
 from cdc_apply.config import Config, ConfigError
 from cdc_apply.lsn import format_lsn
 from cdc_apply.sink import RunSummary
+from cdc_apply.spark.log_files import COPY_XID
 from cdc_apply.sources.catalog import SourceCatalog
 
 if TYPE_CHECKING:
@@ -70,7 +71,9 @@ def start_changelog_stream(config: Config, spark: SparkSession, *, once: bool = 
                                 spill_bytes=config.batching.spill_bytes)
 
     def apply_micro_batch(frame: DataFrame, batch_id: int) -> None:
-        grown_to = frame.agg({"commit_lsn": "max"}).collect()[0][0]
+        # A copy's rows (xid 0) are not the log's growth: they may be a copy under way, whose target
+        # the copy writes itself.
+        grown_to = frame.where(frame["xid"] != COPY_XID).agg({"commit_lsn": "max"}).collect()[0][0]
         if grown_to is None:
             return
         results = from_log.catch_up(until=grown_to)
@@ -80,7 +83,7 @@ def start_changelog_stream(config: Config, spark: SparkSession, *, once: bool = 
     target = changelog.target
     reader = session.readStream.format("delta").option("skipChangeCommits", "true")
     frame = reader.table(target.location) if target.by_name else reader.load(target.location)
-    writer = (frame.select("commit_lsn").writeStream.foreachBatch(apply_micro_batch)
+    writer = (frame.select("commit_lsn", "xid").writeStream.foreachBatch(apply_micro_batch)
               .queryName(f"{config.pipeline}/changelog").option("checkpointLocation", changelog_checkpoint(config)))
     writer = writer.trigger(availableNow=True) if once else \
         writer.trigger(processingTime=f"{config.stream.interval_seconds} seconds")

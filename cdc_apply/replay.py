@@ -48,7 +48,7 @@ def replay_changelog(spark: SparkSession, config: Config, options: ApplyOptions,
     the targets of ``options.warehouse``, in windows of whole transactions of about ``max_changes``
     rows (a larger transaction is a window of its own). A target whose version is past what the log
     holds is refused: the log lacks changes it has; so is a table whose rows began with an initial
-    copy, unless its target holds that copy (the log lacks the copy's rows)."""
+    copy that the log lacks (or that comes after ``until_lsn``), unless its target holds that copy."""
     changelog = ChangeLog(spark, config)
     held = changelog.version
     copies = changelog.copies()
@@ -56,7 +56,7 @@ def replay_changelog(spark: SparkSession, config: Config, options: ApplyOptions,
     frame = changelog.read(table, until_lsn)
     if changelog.trimmed_through is not None:
         _refuse_tables_trimmed_past(spark, options, changelog, frame)
-    _refuse_tables_without_their_copy(spark, options, changelog, table, copies)
+    _refuse_tables_without_their_copy(spark, options, changelog, table, until_lsn, copies)
     # No live source: the ADD COLUMN DEFAULT backfill is skipped.
     applier = ChangeLogApplier(changelog, BatchApplier(spark, options), max_changes=max_changes,
                                spill_bytes=config.batching.spill_bytes)
@@ -75,13 +75,14 @@ def _refuse_tables_trimmed_past(spark: SparkSession, options: ApplyOptions, chan
 
 
 def _refuse_tables_without_their_copy(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog,
-                                      table: str | None, copies: dict[int, RecordedCopy]) -> None:
-    """Each table the replay would apply whose rows began with an initial copy (which the log lacks)
-    must have a target that holds the copy already."""
+                                      table: str | None, until_lsn: int | None, copies: dict[int, RecordedCopy]) -> None:
+    """Each table the replay would apply whose rows began with an initial copy must have a target that
+    holds the copy already, unless the log holds the copy's rows and the replay reaches it."""
     registry = TargetRegistry(options.warehouse)
     for oid, copy in copies.items():
         if table is None or copy.table == table:
-            changelog.refuse_if_copy_missing(oid, copy, _target_holds(spark, options, oid, registry.get(oid)))
+            changelog.refuse_if_copy_missing(oid, copy, _target_holds(spark, options, oid, registry.get(oid)),
+                                             until_lsn)
 
 
 def _target_holds(spark: SparkSession, options: ApplyOptions, oid: int, entry: dict[str, Any] | None) -> int | None:

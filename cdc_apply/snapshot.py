@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
+import pyarrow as pa
 
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.evolve import apply_actions
@@ -56,6 +57,7 @@ from cdc_apply.progress import progress
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.sources.slot import confirmed_flush
 from cdc_apply.sources.snapshot import CopyRange, ExportedSnapshot, PublishedTable, published_tables
+from cdc_apply.spark.log_files import MAX_SEQ, CopyLog
 from cdc_apply.spark.pgcopy import CopyNeedsDriver, TableCopy, copy_frame, task_errors
 
 if TYPE_CHECKING:
@@ -138,7 +140,10 @@ class Snapshotter:
             tables = [in_snapshot[t.relation.oid] for t in tables if t.relation.oid in in_snapshot]
             log.info("initial snapshot of %d table(s) at consistent point %s", len(tables),
                      format_lsn(snapshot.consistent_lsn))
-            return [self._copy(snapshot, table, estimates.get(table.relation.oid)) for table in tables]
+            # One commit time for every table of a snapshot, as for the tables of one transaction: the
+            # copies share its version too, and the change log holds them as one transaction.
+            taken = datetime_to_pg_us(datetime.now(timezone.utc))
+            return [self._copy(snapshot, table, estimates.get(table.relation.oid), taken) for table in tables]
 
     def _slot_confirmed(self) -> int:
         with psycopg.connect(self.config.source.conninfo(), autocommit=True) as conn:
@@ -156,7 +161,8 @@ class Snapshotter:
         unknown = set().union(*(t.relation_oids() for t in transactions)) - set(self.applier.registry.entries())
         return self.sync(unknown) if unknown else []
 
-    def _copy(self, snapshot: ExportedSnapshot, table: PublishedTable, estimate: int | None) -> TableSnapshot:
+    def _copy(self, snapshot: ExportedSnapshot, table: PublishedTable, estimate: int | None,
+              commit_ts: int) -> TableSnapshot:
         started = time.perf_counter()
         relation = table.relation
         target, existed = self.applier.ensure_target(relation, (snapshot.consistent_lsn - 1, 0))
@@ -175,8 +181,7 @@ class Snapshotter:
         since = parse_lsn(resumed["since_lsn"]) if resumed else snapshot.consistent_lsn  # type: ignore[arg-type]
         progress = {"since_lsn": format_lsn(since), "consistent_lsn": format_lsn(snapshot.consistent_lsn),
                     "key": list(key), "columns": _column_signature(relation), **layout}
-        copy = _TableCopyRun(table, target, since, progress, resumed,
-                             datetime_to_pg_us(datetime.now(timezone.utc)))
+        copy = _TableCopyRun(table, target, since, progress, resumed, commit_ts)
         if self.changelog is not None:
             self.changelog.record_copy(relation.oid, table.qualified_name, since, None)
         if on_executors:
@@ -189,7 +194,7 @@ class Snapshotter:
                 progress.update(since_lsn=format_lsn(since), method="key order")
                 progress.pop("sources", None)
                 copy = _TableCopyRun(table, target, since, progress, None, copy.commit_ts)
-                rows = self._copy_in_key_order(snapshot, copy, estimate)
+                rows = self._copy_in_key_order(snapshot, copy, estimate)  # logged anew, after a new Truncate row
         else:
             rows = self._copy_in_key_order(snapshot, copy, estimate)
         if since != snapshot.consistent_lsn:  # resumed: rows of two snapshots; merge up to the newer one
@@ -200,7 +205,7 @@ class Snapshotter:
         target.record_version(self.applier.app_id(relation.oid), since - 1, json.dumps(
             {"cdc_apply": "snapshot complete", "rows": rows, "consistent_lsn": format_lsn(since)}))
         if self.changelog is not None:
-            self.changelog.record_copy(relation.oid, table.qualified_name, since, rows)
+            self.changelog.record_copy(relation.oid, table.qualified_name, since, rows, logged=copy.log is not None)
         self.resyncs.remove(relation.oid)
         seconds = time.perf_counter() - started
         method = str(copy.progress["method"])
@@ -234,17 +239,41 @@ class Snapshotter:
         if copy.resumed:
             log.info("resuming the copy of %s after key %s (%d rows copied)", table.qualified_name, after, rows)
         positions = [[c.name for c in relation.columns].index(k) for k in key]
+        self._start_log(copy, 1)
         with progress(f"snapshot {table.qualified_name}", estimate) as advance:
             for chunk in snapshot.rows(table, self.config.snapshot.chunk_rows, key, after):
                 first_row = rows
                 rows += len(chunk)
                 after = [chunk.text(len(chunk) - 1, i) or "" for i in positions]  # a unique key's values are not null
+                self._log_chunk(copy, chunk.columns(), len(chunk), first_row)
                 self.applier.write_snapshot_chunk(
                     relation, inserted_images(chunk.buf, chunk.is_null, chunk.starts, chunk.lengths), first_row,
                     copy.since - 1, copy.commit_ts, {**copy.progress, "after": after, "rows": rows} if key else None)
                 advance(len(chunk))
                 failpoint("snapshot_chunk")
         return rows
+
+    def _start_log(self, copy: _TableCopyRun, seqs: int) -> None:
+        """With the change log on, the copy's rows go into it too (``spark/log_files.py``), unless the
+        copy resumes one cut short (rows of two snapshots, merged: it stays out of the log)."""
+        if self.changelog is not None and copy.resumed is None:
+            copy.log = self.changelog.copy_log(copy.table.relation, copy.since - 1, copy.commit_ts, seqs)
+
+    def _log_chunk(self, copy: _TableCopyRun, values: list[pa.Array], count: int, first_row: int) -> None:
+        """A driver's chunk of ``count`` rows (the copy's ``first_row`` on) into the change log, in its
+        own commit, before the target's; past the seqs a copy can number, the copy's logging stops."""
+        if copy.log is None or self.changelog is None:
+            return
+        first_seq = copy.log.first_seq + 1 + first_row
+        if first_seq + count > MAX_SEQ + 1:
+            log.warning("%s: the copy's rows from row %d on are not written to the change log (past the int32 seq "
+                        "column); a rebuild of this table from the log is refused", copy.table.qualified_name,
+                        first_row + 1)
+            copy.log = None
+            return
+        written = copy.log.write([copy.log.inserts(values, count, first_seq)])
+        if written is not None:
+            self.changelog.commit_copy([written], copy.table.relation, copy.since - 1)
 
     def _copy_ranges(self, snapshot: ExportedSnapshot, copy: _TableCopyRun, estimate: int | None) -> int:
         """Spark's tasks copy the table's page ranges (``spark/pgcopy.py``), ``ranges_per_commit`` per
@@ -266,6 +295,14 @@ class Snapshotter:
         job = TableCopy(self.config.source.conninfo(), snapshot.name, table, state.column_map(), target.data_types(),
                         schema.exact_text_columns(table.relation, state), dict(schema.types.named), settings.chunk_rows,
                         self._metadata_values(copy, table.relation))
+        if settings.file_writer == "tasks":  # only tasks that write files write the log's too
+            # A range holds at most range_pages pages of the snapshot's rows (page_ranges): its seqs.
+            slots = settings.range_pages * snapshot.tuples_per_page()
+            self._start_log(copy, 1 + len(ranges) * slots)
+            if copy.log is not None:
+                copy.log = replace(copy.log, range_slots=slots, range_seqs={
+                    (pages.source, pages.first_page): copy.log.first_seq + 1 + index * slots
+                    for index, pages in enumerate(ranges)})
         with progress(f"snapshot {table.qualified_name}", estimate) as advance:
             for first in range(0, len(ranges), settings.ranges_per_commit):
                 wave = ranges[first:first + settings.ranges_per_commit]
@@ -275,14 +312,18 @@ class Snapshotter:
                                       sort_keys=True)
                 # A resumed copy merges by key; any other writes its files in the tasks where it can.
                 files = None if copy.resumed or settings.file_writer == "delta" else target.open_file_append()
+                if files is None and copy.log is not None:
+                    log.warning("%s: the target takes only Delta's writer, so the copy's rows are not written to the "
+                                "change log (a rebuild of this table from the log is refused)", table.qualified_name)
+                    copy.log = None
                 with task_errors(table.qualified_name):
                     if files is None:
                         written = self._write_copied(target, copy_frame(spark, job, wave, tasks), metadata,
                                                      state.keys if copy.resumed else ())
                     else:
                         written = self._commit_files(files, spark, replace(
-                            job, files_root=target.local_root, physical_columns=files.physical_columns), wave, tasks,
-                            metadata)
+                            job, files_root=target.local_root, physical_columns=files.physical_columns, log=copy.log),
+                            wave, tasks, metadata)
                 rows += written
                 advance(written)
                 failpoint("snapshot_chunk")
@@ -297,14 +338,18 @@ class Snapshotter:
             values[DELETED] = ("boolean", False)
         return values
 
-    @staticmethod
-    def _commit_files(files: FileAppend, spark: SparkSession, job: TableCopy, wave: Sequence[CopyRange], tasks: int,
-                      metadata: str) -> int:
-        """One commit of the files the tasks wrote for ``wave``; returns the rows they hold. A failed
-        task's files, and a wave's files when the run dies before this commit, are in no commit
-        (VACUUM removes them)."""
-        written = [WrittenFile(row.path, row.size, row.rows, row.stats)
-                   for row in copy_frame(spark, job, wave, tasks).collect()]
+    def _commit_files(self, files: FileAppend, spark: SparkSession, job: TableCopy, wave: Sequence[CopyRange],
+                      tasks: int, metadata: str) -> int:
+        """One commit of the files the tasks wrote for ``wave`` into the target, after one of those they
+        wrote into the change log (``job.log``); returns the rows the target's hold. A failed task's
+        files, and a wave's files when the run dies before their commit, are in no commit (VACUUM
+        removes them)."""
+        rows = copy_frame(spark, job, wave, tasks).collect()
+        logged = [WrittenFile(row.path, row.size, row.rows, row.stats, {"relation_oid": str(job.table.relation.oid)})
+                  for row in rows if row.changelog]
+        if logged and self.changelog is not None and job.log is not None:
+            self.changelog.commit_copy(logged, job.table.relation, job.log.version)
+        written = [WrittenFile(row.path, row.size, row.rows, row.stats) for row in rows if not row.changelog]
         files.commit(written, metadata)
         return sum(file.rows for file in written)
 
@@ -336,6 +381,7 @@ class _TableCopyRun:
     progress: dict[str, object]
     resumed: dict[str, object] | None
     commit_ts: int
+    log: CopyLog | None = None  # where its rows go in the change log; None: not there (not all of them)
 
 
 def _copy_progress(target: Target, key: tuple[str, ...], relation: m.Relation,

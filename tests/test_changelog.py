@@ -14,8 +14,10 @@ from pathlib import Path
 
 import psycopg
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable
+from pyspark.sql import functions as F
 
 from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import Target
@@ -30,9 +32,10 @@ from cdc_apply.cli import build_parser
 from cdc_apply.changelog_stream import start_changelog_stream
 from cdc_apply.config import ConfigError, parse_config
 from cdc_apply.live import BackgroundReplicator
-from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn
+from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn, parse_lsn
 from cdc_apply.pipeline import drain, prepare_source
 from cdc_apply.replay import replay_changelog
+from cdc_apply.resync import published_oids, resync
 from cdc_apply.runtime import StopFlag
 from cdc_apply.status import pipeline_status
 from cdc_apply.stream_job import run_stream
@@ -77,7 +80,8 @@ def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18
         rows = changelog.read()
         # Each change once: no transaction appended twice, though the drains re-read the slot's last window.
         assert rows.groupBy("commit_lsn", "xid", "seq", "relation_oid").count().where("count > 1").count() == 0
-        assert rows.count() == first.changelog_rows + second.changelog_rows
+        assert rows.where("xid != 0").count() == first.changelog_rows + second.changelog_rows
+        assert rows.where("xid = 0 AND op = 'T'").count() == rows.where("xid = 0").count() == len(TABLES)  # empty copies
         assert changelog.version == rows.agg({"commit_lsn": "max"}).collect()[0][0]
         # The driver wrote the log's files itself (apply/files.py): one table's rows per partition
         # directory, each file with the bounds of its commit LSNs, which an LSN range skips files by.
@@ -117,24 +121,17 @@ def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18
         assert accounts.committed_version(f"logged/{oid}") <= middle
         assert not (tmp_path / "partial" / "public" / "ledger").exists()
 
-        # A table whose rows came from an initial copy: the log lacks them, so a rebuild into a
-        # warehouse without the copy is refused, naming the table; where the target holds the copy,
-        # the replay goes on.
+        # A table added with rows: its copy's rows are in the log too, so it rebuilds from the log alone.
         conn.execute("CREATE TABLE seeded (id int PRIMARY KEY, v text)")
         conn.execute("INSERT INTO seeded SELECT g, 'v' || g FROM generate_series(1, 3) g")
         conn.execute("ALTER PUBLICATION load ADD TABLE seeded")
         assert [s.rows for s in drain(config, spark).snapshots] == [3]
         seeded_oid = conn.execute("SELECT 'seeded'::regclass::oid").fetchone()[0]
-        assert changelog.copies()[seeded_oid].rows == 3
-        with pytest.raises(ChangeLogError, match=rf"public\.seeded \(relation {seeded_oid}\): its target began with "
-                                                 r"an initial copy at LSN .* \(3 rows\).* holds nothing"):
-            replay_changelog(spark, config, replace(apply_options(config), warehouse=str(tmp_path / "no_copy")))
-        assert not (tmp_path / "no_copy").exists()  # refused before it wrote anything
-        assert replay_changelog(spark, config, replace(apply_options(config), warehouse=str(tmp_path / "no_copy")),
-                                table="public.tags")  # another table still rebuilds, equal to PostgreSQL
-        tags = TABLES["public.tags"]
-        assert delta_rows(spark, str(tmp_path / "no_copy" / "public" / "tags"), tags, source_types(conn, "public.tags")) \
-            == postgres_rows(conn, "public.tags", tags)
+        assert changelog.copies()[seeded_oid].rows == 3 and changelog.copies()[seeded_oid].logged
+        assert replay_changelog(spark, config, replace(apply_options(config), warehouse=str(tmp_path / "seeded")),
+                                table="public.seeded")
+        assert delta_rows(spark, str(tmp_path / "seeded" / "public" / "seeded"), ["id", "v"],
+                          source_types(conn, "public.seeded")) == postgres_rows(conn, "public.seeded", ["id", "v"])
         # Into the live warehouse, whose target holds the copy, it is not refused (its version, the
         # copy's, is past the log's last transaction, and was once taken for a target ahead of the log).
         replay_changelog(spark, config, options=apply_options(config), table="public.seeded")
@@ -164,6 +161,66 @@ def test_a_rebuild_from_the_change_log_equals_postgres_and_the_live_targets(db18
         # A target that holds the log past the trim is still brought up from it (here: nothing to do).
         held = replay_changelog(spark, config, options, table="public.tags", max_changes=100_000)
         assert held and all(t.skipped for batch in held for t in batch.tables)
+
+
+def _load_for(conninfo: str, seconds: float, **options: object) -> None:
+    load = Load(conninfo, **options).start()  # type: ignore[arg-type]
+    time.sleep(seconds)
+    load.finish()
+
+
+def test_copied_tables_rebuild_from_the_change_log(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A copy's rows go into the log too: by Spark's tasks (tables of more than one page range) and by
+    the driver (the rest), each copy after a Truncate row. A rebuild from the log alone equals
+    PostgreSQL after a copy, changes, and a resync; a rebuild as of an LSN before a copy is refused."""
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = str(tmp_path / "wh")
+    config = parse_config({"pipeline": "copied", "source": {"dsn": conninfo, "slot": "copied", "publication": "load"},
+                           "target": {"warehouse": warehouse}, "batching": {"max_changes": 2000},
+                           "snapshot": {"range_pages": 16, "ranges_per_commit": 4},
+                           "changelog": {"enabled": True}})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        create_schema(conn, "load")
+        _load_for(conninfo, 3, sessions=2, rate_per_session=40, big_every=25)  # rows to copy
+        before_copy = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]
+        copied = {s.table: s for s in drain(config, spark).snapshots}
+        assert {s.method for s in copied.values()} == {"ranges", "key order"}, copied
+        changelog = ChangeLog(spark, config)
+        copies = changelog.copies()
+        assert all(c.logged for c in copies.values()) and {c.table for c in copies.values()} == set(TABLES)
+        rows = changelog.read()
+        by_copy = {r["table"]: (r["I"], r["T"]) for r in rows.where("xid = 0").groupBy("table").agg(
+            *(F.count_if(F.col("op") == op).alias(op) for op in "IT")).collect()}
+        assert by_copy == {name.split(".")[1]: (copied[name].rows, 1) for name in TABLES}
+
+        _load_for(conninfo, 3, sessions=2, rate_per_session=20, big_every=30, seed=2)
+        drain(config, spark)
+        resync(config, spark, published_oids(config, ["public.accounts"]))  # a second copy, after a Truncate row
+        _load_for(conninfo, 2, sessions=1, rate_per_session=20, big_every=0, seed=3)
+        drain(config, spark)
+        assert_delta_equals_postgres(spark, conn, warehouse)
+
+        rebuilt = str(tmp_path / "rebuilt")
+        replay_changelog(spark, config, replace(apply_options(config), warehouse=rebuilt), max_changes=3000)
+        assert_delta_equals_postgres(spark, conn, rebuilt)
+        for name in TABLES:  # the same rows as the live targets, metadata columns too
+            live, again = (Target(spark, f"{w}/{name.replace('.', '/')}", False).read() for w in (warehouse, rebuilt))
+            assert live.exceptAll(again).count() == 0 and again.exceptAll(live).count() == 0, name
+        # delta-rs reads the copies' rows as Spark does.
+        logged = pa.RecordBatchReader.from_stream(DeltaTable(changelog.target.location).scan(
+            columns=["xid", "op"])).read_all()
+        assert pc.sum(pc.equal(logged["xid"], 0)).as_py() == changelog.read().where("xid = 0").count() > 0
+
+        with pytest.raises(ChangeLogError, match=r"public\.\w+ \(relation \d+\): its rows came from an initial copy "
+                                                 rf"at LSN .*, after LSN {before_copy}"):
+            replay_changelog(spark, config, replace(apply_options(config), warehouse=str(tmp_path / "asof")),
+                             until_lsn=parse_lsn(before_copy))
+        # A copy recorded as not in the log (an earlier cdc_apply's, or one that resumed) is refused.
+        oid, tags = next((oid, c) for oid, c in changelog.copies().items() if c.table == "public.tags")
+        changelog.record_copy(oid, tags.table, tags.lsn, tags.rows, logged=False)
+        with pytest.raises(ChangeLogError, match=r"public\.tags .*a copy's rows are not in the change log"):
+            replay_changelog(spark, config, replace(apply_options(config), warehouse=str(tmp_path / "unlogged")))
 
 
 def test_replay_refuses_a_mix_of_captures_and_the_change_log() -> None:

@@ -42,31 +42,56 @@ def write_parquet_file(root: str, path: str, batches: Iterable[pa.RecordBatch],
                        partition_values: Mapping[str, str] | None = None,
                        statistics: Sequence[str] | None = None,
                        dictionary: Sequence[str] | None = None) -> WrittenFile | None:
-    """``batches`` in one new snappy Parquet file at ``path`` under the table's ``root``, each column
-    under its physical name and field id (column mapping: ``physical_columns``); None when there
-    were no rows (no file is left). ``statistics`` and ``dictionary``: the Parquet column paths
+    """``batches`` in one new snappy Parquet file (``ParquetFile``); None when there were no rows."""
+    return ParquetFile(root, path, physical_columns, partition_values, statistics, dictionary).write_all(batches)
+
+
+class ParquetFile:
+    """One new snappy Parquet file at ``path`` under the table's ``root``, written a batch at a time,
+    each column under its physical name and field id (column mapping: ``physical_columns``); no
+    file is left when no batch had rows. ``statistics`` and ``dictionary``: the Parquet column paths
     that get min/max statistics and dictionary encoding (None: every column)."""
-    physical_columns = physical_columns or {}
-    full_path = os.path.join(root, path)
-    writer: pq.ParquetWriter | None = None
-    rows = 0
-    try:
-        for batch in batches:
-            if writer is None:
-                os.makedirs(os.path.dirname(full_path), exist_ok=True)
-                schema = pa.schema([_physical_field(physical_columns, f) for f in batch.schema])
-                writer = pq.ParquetWriter(full_path, schema, compression="snappy",
-                                          write_statistics=True if statistics is None else list(statistics),
-                                          use_dictionary=True if dictionary is None else list(dictionary))
-            writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=writer.schema))
-            rows += batch.num_rows
-    finally:
-        if writer is not None:
-            writer.close()
-    if writer is None:
-        return None
-    return WrittenFile(path, os.path.getsize(full_path), rows, file_statistics(full_path, rows),
-                       dict(partition_values or {}))
+
+    def __init__(self, root: str, path: str, physical_columns: Mapping[str, tuple[str, int | None]] | None = None,
+                 partition_values: Mapping[str, str] | None = None, statistics: Sequence[str] | None = None,
+                 dictionary: Sequence[str] | None = None) -> None:
+        self.path = path
+        self.full_path = os.path.join(root, path)
+        self.physical_columns = physical_columns or {}
+        self.partition_values = dict(partition_values or {})
+        self.statistics = statistics
+        self.dictionary = dictionary
+        self.rows = 0
+        self._writer: pq.ParquetWriter | None = None
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        if self._writer is None:
+            os.makedirs(os.path.dirname(self.full_path), exist_ok=True)
+            schema = pa.schema([_physical_field(self.physical_columns, f) for f in batch.schema])
+            self._writer = pq.ParquetWriter(
+                self.full_path, schema, compression="snappy",
+                write_statistics=True if self.statistics is None else list(self.statistics),
+                use_dictionary=True if self.dictionary is None else list(self.dictionary))
+        self._writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=self._writer.schema))
+        self.rows += batch.num_rows
+
+    def write_all(self, batches: Iterable[pa.RecordBatch]) -> WrittenFile | None:
+        """Each of ``batches``, then the file closed (``close``)."""
+        try:
+            for batch in batches:
+                self.write(batch)
+        finally:
+            written = self.close()
+        return written
+
+    def close(self) -> WrittenFile | None:
+        """The file written; None when nothing was."""
+        if self._writer is None:
+            return None
+        self._writer.close()
+        self._writer = None
+        return WrittenFile(self.path, os.path.getsize(self.full_path), self.rows,
+                           file_statistics(self.full_path, self.rows), self.partition_values)
 
 
 def _physical_field(physical_columns: Mapping[str, tuple[str, int | None]], column: pa.Field) -> pa.Field:

@@ -15,8 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.pgoutput import messages as m
+from cdc_apply.pgoutput.columnar import gather_values
 
 _TAB, _NEWLINE, _BACKSLASH, _N = 9, 10, 92, ord("N")
 _ESCAPE = re.compile(rb"\\(?:([0-7]{1,3})|x([0-9a-fA-F]{1,2})|(.))", re.DOTALL)
@@ -34,6 +37,12 @@ class CopyRows:
 
     def __len__(self) -> int:
         return len(self.is_null)
+
+    def columns(self) -> list[pa.Array]:
+        """Each column's values as one binary array, null for NULL."""
+        kinds = np.where(self.is_null, m.KIND_NULL, m.KIND_TEXT)
+        return [gather_values(self.buf, kinds[:, i], self.starts[:, i], self.lengths[:, i])
+                for i in range(self.is_null.shape[1])]
 
     def text(self, row: int, column: int) -> str | None:
         if self.is_null[row, column]:

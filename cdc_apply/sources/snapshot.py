@@ -102,6 +102,12 @@ class ExportedSnapshot:
                                  "current_setting('block_size')::int FROM unnest(%s::oid[]) oid", (oids,)).fetchone()[0]
             return oids, int(pages)
 
+    def tuples_per_page(self) -> int:
+        """The most tuples one heap page holds (PostgreSQL's MaxHeapTuplesPerPage): the page header's
+        24 bytes off the block, then 4 bytes of line pointer and a 24-byte tuple header per tuple."""
+        with self._inside("the block size was read") as conn:
+            return (int(conn.execute("SELECT current_setting('block_size')").fetchone()[0]) - 24) // 28
+
     def page_ranges(self, table: PublishedTable, range_pages: int,
                     after: tuple[int, int | None] | None = None) -> tuple[list[int], list[CopyRange]]:
         """The table's heap split into ranges of ``range_pages`` pages, each copied on its own

@@ -26,7 +26,7 @@ import base64
 import pickle
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from cdc_apply.apply.files import new_file_name, write_parquet_file
+from cdc_apply.apply.files import ParquetFile, new_file_name
 from cdc_apply.changerows.codec import RelationCodec, UnrepresentableColumnError
 from cdc_apply.changerows.columns import NotArrowRepresentable, text_column
 from cdc_apply.errors import CdcApplyError
@@ -42,6 +42,7 @@ from cdc_apply.pgtypes import TypeCache, portable_type_cache
 from cdc_apply.pgtypes.sparktypes import arrow_type
 from cdc_apply.sources.copy_arrow import copy_columns
 from cdc_apply.sources.snapshot import CopyData, CopyRange, PublishedTable, SnapshotLost, read_range
+from cdc_apply.spark.log_files import CopyLog
 from cdc_apply.spark.typed import quoted, spark_arrow
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class TableCopy:
     constants: Mapping[str, tuple[str, object]] = field(default_factory=dict)
     files_root: str | None = None  # the tasks write Parquet files here themselves (see the module's text)
     physical_columns: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)  # FileAppend's
+    log: CopyLog | None = None  # with files_root: the tasks also write the rows into the change log
 
     def columns(self) -> dict[str, str]:
         """Every column a chunk's batch holds, with its Spark type."""
@@ -80,15 +82,19 @@ class CopyNeedsDriver(CdcApplyError):
     """A chunk the columnar conversion does not take; the driver copies the table row by row."""
 
 
-def chunk_batch(copy: TableCopy, chunk: CopyData, codec: RelationCodec) -> pa.RecordBatch:
-    """One COPY chunk as the target's columns: each source column converted by the converter the
-    stream's values take (``changerows.columns.text_column``), then cast to its target column, as
-    the columnar collapse casts a snapshot chunk on the driver (``apply/columnar.py``)."""
+def chunk_values(copy: TableCopy, chunk: CopyData) -> list[pa.Array]:
+    """One COPY chunk as one array of PostgreSQL's text per source column (``copy_arrow``)."""
     relation = copy.table.relation
     if not relation.columns:
         raise CopyNeedsDriver(f"{NEEDS_DRIVER}: {copy.table.qualified_name} has no published column")
+    return copy_columns(chunk.data, len(relation.columns), chunk.located)
+
+
+def chunk_batch(copy: TableCopy, raw: list[pa.Array], chunk: CopyData, codec: RelationCodec) -> pa.RecordBatch:
+    """One COPY chunk's values (``chunk_values``) as the target's columns: each source column converted
+    by the converter the stream's values take (``changerows.columns.text_column``), then cast to its
+    target column, as the columnar collapse casts a snapshot chunk on the driver (``apply/columnar.py``)."""
     try:
-        raw = copy_columns(chunk.data, len(relation.columns), chunk.located)
         values = {column.name: text_column(column_values, column, chunk.located)
                   for column, column_values in zip(codec.columns, raw, strict=True)}
         rows = len(raw[0])
@@ -105,19 +111,35 @@ def chunk_batch(copy: TableCopy, chunk: CopyData, codec: RelationCodec) -> pa.Re
     return pa.RecordBatch.from_arrays(arrays, names=list(copy.columns()))
 
 
-FILE_COLUMNS = "path STRING, size BIGINT, rows BIGINT, stats STRING"  # what a task that writes files yields
+# What a task that writes files yields: one row per file, ``changelog`` true for a file of the
+# change log's (with ``copy.log``), false for the target's.
+FILE_COLUMNS = "path STRING, size BIGINT, rows BIGINT, stats STRING, changelog BOOLEAN"
+_FILE_SCHEMA = pa.schema([("path", pa.string()), ("size", pa.int64()), ("rows", pa.int64()), ("stats", pa.string()),
+                          ("changelog", pa.bool_())])
 
 
-def write_file(copy: TableCopy, batches: Iterator[pa.RecordBatch], task: int) -> pa.RecordBatch | None:
-    """``batches`` in one new Parquet file under ``copy.files_root`` (``apply/files.py``); the file's
-    row (``FILE_COLUMNS``), or None when there were no rows."""
+def write_files(copy: TableCopy, pages: CopyRange, chunks: Iterable[CopyData], codec: RelationCodec,
+                task: int) -> Iterator[pa.RecordBatch]:
+    """A range's chunks in one new Parquet file under ``copy.files_root`` (``apply/files.py``) and, with
+    ``copy.log``, their change log rows in one new file of the log (``spark/log_files.py``); a row
+    (``FILE_COLUMNS``) for each file that holds rows."""
     assert copy.files_root is not None
-    written = write_parquet_file(copy.files_root, new_file_name(task), batches, copy.physical_columns)
-    if written is None:
-        return None
-    return pa.RecordBatch.from_pydict(
-        {"path": [written.path], "size": [written.size], "rows": [written.rows], "stats": [written.stats]},
-        pa.schema([("path", pa.string()), ("size", pa.int64()), ("rows", pa.int64()), ("stats", pa.string())]))
+    target = ParquetFile(copy.files_root, new_file_name(task), copy.physical_columns)
+    log = copy.log
+    log_file = log.file(task) if log is not None else None
+    first_seq = log.range_first_seq(pages.source, pages.first_page) if log is not None else 0
+    try:
+        for chunk in chunks:
+            raw = chunk_values(copy, chunk)
+            target.write(chunk_batch(copy, raw, chunk, codec))
+            if log is not None and log_file is not None:
+                log_file.write(log.inserts(raw, len(raw[0]), first_seq + chunk.first_row, first_seq + log.range_slots))
+    finally:
+        written = [(target.close(), False), (log_file.close() if log_file is not None else None, True)]
+    for file, in_log in written:
+        if file is not None:
+            yield pa.RecordBatch.from_pydict({"path": [file.path], "size": [file.size], "rows": [file.rows],
+                                              "stats": [file.stats], "changelog": [in_log]}, _FILE_SCHEMA)
 
 
 class CopyPartition(InputPartition):
@@ -161,12 +183,11 @@ class PgCopyReader(DataSourceReader):
         print(f"cdc_apply copy task {partition.value} of {copy.table.qualified_name}: {len(ranges)} range(s), "
               f"pages {pages_read}", file=sys.stderr, flush=True)
         for pages in ranges:
-            batches = (chunk_batch(copy, chunk, codec)
-                       for chunk in read_range(copy.conninfo, copy.snapshot, copy.table, pages, copy.chunk_rows))
+            chunks = read_range(copy.conninfo, copy.snapshot, copy.table, pages, copy.chunk_rows)
             if copy.files_root is None:
-                yield from batches
-            elif (written := write_file(copy, batches, partition.value)) is not None:  # type: ignore[attr-defined]
-                yield written
+                yield from (chunk_batch(copy, chunk_values(copy, chunk), chunk, codec) for chunk in chunks)
+            else:
+                yield from write_files(copy, pages, chunks, codec, partition.value)  # type: ignore[attr-defined]
 
 
 def copy_frame(spark: SparkSession, copy: TableCopy, ranges: Sequence[CopyRange], tasks: int) -> DataFrame:
@@ -215,4 +236,4 @@ def _unpickled(text: str):  # type: ignore[no-untyped-def]
 
 
 __all__ = ["FILE_COLUMNS", "NEEDS_DRIVER", "CopyNeedsDriver", "PgCopyDataSource", "TableCopy", "chunk_batch",
-           "copy_frame", "task_errors", "write_file"]
+           "chunk_values", "copy_frame", "task_errors", "write_files"]
