@@ -19,8 +19,10 @@ Invariants:
   commit, the targets following from it (``confirm_after: changelog``, ``changelog_apply.py``).
 - The table names the pipeline that writes it and its layout (``cdc_apply.changelog`` property);
   another pipeline's log, or another layout, is refused, never appended to.
-- An initial copy's rows are not in the log: each copy is recorded (``record_copy``) before it
-  starts, and a rebuild that would lack its rows is refused (``refuse_if_copy_missing``).
+- An initial copy's rows are in the log too, written by the copy's writers (``CopyLog``,
+  ``commit_copy``) before the target's: ``xid`` 0, at the copy's version, after a Truncate row.
+  Each copy is recorded (``record_copy``) before it starts and once its rows are all in the log; a
+  rebuild that would lack them is refused (``refuse_if_copy_missing``).
 """
 
 from __future__ import annotations

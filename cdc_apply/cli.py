@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="e2e: steady rates tried, doubling from --rate, for the capacity search (0: none)")
     bench.add_argument("--changelog", action="store_true",
                        help="e2e: the steady load and a backlog again with changelog.confirm_after: changelog, "
-                            "side by side; memory: the run with confirm_after: changelog")
+                            "side by side; memory: the run with confirm_after: changelog; snapshot: the tasks' copy "
+                            "again with the change log on")
     bench.add_argument("--updates", action="store_true",
                        help="memory: the transaction updates every row of a copied table and deletes a tenth")
     return parser

@@ -92,16 +92,16 @@ def test_bench_stream_compares_the_streaming_query_with_follow(spark, capsys) ->
 
 
 @pytest.mark.spark
-def test_bench_snapshot_times_four_copies_of_the_same_rows(spark, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_bench_snapshot_times_five_copies_of_the_same_rows(spark, capsys) -> None:  # type: ignore[no-untyped-def]
     """In-process, on the shared session: each copy must hold every row (the bench checks the counts)."""
-    result = bench_snapshot(rows=3000, spark=spark, snapshot={"range_pages": 16})  # 3000 rows: 4 ranges
+    result = bench_snapshot(rows=3000, spark=spark, snapshot={"range_pages": 16}, changelog=True)  # 3000 rows: 4 ranges
     report = capsys.readouterr().out
     assert "cdc_apply's copy: Spark's tasks, page ranges; Python driver RSS" in report, report
     for line in ("raw COPY read", "hand-written Spark copy", "cdc_apply's copy", "with Delta's writer",
                  "cdc_apply ÷ raw COPY read", "cdc_apply ÷ hand-written Spark copy",
-                 "files written by the tasks ÷ by Delta's writer"):
+                 "files written by the tasks ÷ by Delta's writer", "with the change log ÷ without"):
         assert line in report, report
     assert "round 2:" in report and report.count("cdc_apply ÷ raw COPY read") == 2, report
     assert result["product_over_raw"] > 0 and result["product_over_spark"] > 0 and result["driver_peak_rss_mb"] > 50
     assert result["first_product_over_raw"] > 0 and result["first_product_over_spark"] > 0
-    assert result["tasks_over_delta_writer"] > 0
+    assert result["tasks_over_delta_writer"] > 0 and result["logged_over_tasks"] > 0

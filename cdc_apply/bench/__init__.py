@@ -45,6 +45,6 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     if name == "snapshot":
         from cdc_apply.bench.snapshot import bench_snapshot
 
-        bench_snapshot(rows=args.rows or 2_000_000)
+        bench_snapshot(rows=args.rows or 2_000_000, changelog=args.changelog)
         return 0
     raise ValueError(f"unknown benchmark {name}")

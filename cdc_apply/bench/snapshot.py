@@ -54,7 +54,9 @@ SELECT g / 4, (g * 7919) %% 200000, (g * 104729) %% 10000, g %% 4,
 FROM generate_series(%s::bigint, %s::bigint) g
 """
 FILL_STEP = 500_000
-WRITERS = ("tasks", "delta")  # snapshot.file_writer, each copied in every round
+# cdc_apply's copies in every round: snapshot.file_writer tasks and delta, and with --changelog the
+# tasks' copy again with the change log on (its tasks write each range's rows into the log too).
+VARIANTS: dict[str, tuple[str, bool]] = {"tasks": ("tasks", False), "delta": ("delta", False), "logged": ("tasks", True)}
 
 
 def create_lineitem(conn: psycopg.Connection, rows: int) -> None:
@@ -130,11 +132,13 @@ def _timed(what: str, run: Callable[[], int]) -> tuple[int, float]:
 
 
 def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped-def]
-                   snapshot: dict[str, object] | None = None) -> dict[str, float]:
+                   snapshot: dict[str, object] | None = None, changelog: bool = False) -> dict[str, float]:
     """``spark``: a session to use (and leave running); None builds one and stops it at the end.
-    ``snapshot``: the config's ``snapshot`` section for cdc_apply's copy (default: the defaults)."""
+    ``snapshot``: the config's ``snapshot`` section for cdc_apply's copy (default: the defaults).
+    ``changelog``: also the tasks' copy with ``changelog.enabled``, whose log must hold every row."""
     from cdc_apply.apply.batch import BatchApplier
     from cdc_apply.apply.options import apply_options
+    from cdc_apply.changelog import ChangeLog
     from cdc_apply.config import parse_config
     from cdc_apply.snapshot import Snapshotter, TableSnapshot
     from cdc_apply.sources.catalog import SourceCatalog
@@ -148,17 +152,19 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
             conn.execute("CREATE PUBLICATION bench FOR TABLE lineitem")
             size = conn.execute("SELECT pg_size_pretty(pg_table_size('lineitem'))").fetchone()[0]  # type: ignore[index]
         warehouse = tempfile.mkdtemp(prefix="cdc_apply_bench_snapshot_")
-        configs = [{writer: parse_config({"pipeline": f"bench{round_}{writer}", "source": {
-            "dsn": server.dsn, "slot": f"bench{round_}{writer}", "publication": "bench"},
-            "target": {"warehouse": f"{warehouse}/round{round_}{writer}"},
-            "snapshot": {**(snapshot or {}), "file_writer": writer}}) for writer in WRITERS} for round_ in (1, 2)]
+        variants = {name: variant for name, variant in VARIANTS.items() if changelog or not variant[1]}
+        configs = [{name: parse_config({"pipeline": f"bench{round_}{name}", "source": {
+            "dsn": server.dsn, "slot": f"bench{round_}{name}", "publication": "bench"},
+            "target": {"warehouse": f"{warehouse}/round{round_}{name}"}, "changelog": {"enabled": logged},
+            "snapshot": {**(snapshot or {}), "file_writer": writer}}) for name, (writer, logged) in variants.items()}
+            for round_ in (1, 2)]
         with session_for(spark, configs[0]["tasks"].spark) as spark:
             with psycopg.connect(server.dsn, autocommit=True) as conn:
                 for config in (c for by_writer in configs for c in by_writer.values()):  # the slots exist before the
                     ensure_publication_and_slot(conn, config.source)                       # copies, as in a run
             # Warm the JVM with a small write, so neither Spark copy pays for the first one.
             spark.range(10).write.format("delta").save(f"{warehouse}/warm_up")
-            times: dict[str, list[float]] = {"raw": [], "product": [], "delta": [], "spark": []}
+            times: dict[str, list[float]] = {"raw": [], "product": [], "delta": [], "logged": [], "spark": []}
             copies: list[TableSnapshot] = []
             rss = PeakRss()
             for round_, by_writer in enumerate(configs, 1):
@@ -167,7 +173,7 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
                 # cdc_apply's copies before the hand-written one, whose whole-table buffers would stay in
                 # this process's resident set and be counted in the copy's peak (measured in round 1).
                 product: dict[str, tuple[int, float]] = {}
-                for writer, config in by_writer.items():
+                for variant, config in by_writer.items():
                     applier = BatchApplier(spark, apply_options(config),
                                            missing_value=SourceCatalog(server.dsn).missing_value)
 
@@ -176,22 +182,30 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
                         copies.extend(copied)
                         return sum(table.rows for table in copied)
 
-                    with rss if round_ == 1 and writer == "tasks" else contextlib.nullcontext():
-                        product[writer] = _timed(f"cdc_apply's copy, file_writer: {writer}", product_copy)
+                    with rss if round_ == 1 and variant == "tasks" else contextlib.nullcontext():
+                        product[variant] = _timed(f"cdc_apply's copy, file_writer: {config.snapshot.file_writer}"
+                                                 + (", with the change log" if config.changelog.enabled else ""),
+                                                 product_copy)
+                    if config.changelog.enabled:
+                        logged = ChangeLog(spark, config).read().where("xid = 0 AND op = 'I'").count()
+                        assert logged == rows, f"the change log holds {logged} rows of the copy of {rows}"
                 spark_rows, spark_s = _timed("hand-written Spark copy", lambda: hand_written_spark_copy(
                     server.dsn, spark, f"{warehouse}/by_hand{round_}"))  # noqa: B023
-                assert raw_rows == spark_rows == product["tasks"][0] == product["delta"][0] == rows, \
+                assert raw_rows == spark_rows == rows and all(copied == rows for copied, _ in product.values()), \
                     (raw_rows, spark_rows, product)
                 for name, seconds in (("raw", raw_s), ("product", product["tasks"][1]), ("delta", product["delta"][1]),
+                                      ("logged", product["logged"][1] if "logged" in product else 0.0),
                                       ("spark", spark_s)):
                     times[name].append(seconds)
     method = "Spark's tasks, page ranges" if copies[0].method == "ranges" else "the driver, key order"
-    first = {name: rows / seconds[0] for name, seconds in times.items()}
-    warm = {name: rows / seconds[1] for name, seconds in times.items()}
+    first = {name: rows / seconds[0] if seconds[0] else 0.0 for name, seconds in times.items()}
+    warm = {name: rows / seconds[1] if seconds[1] else 0.0 for name, seconds in times.items()}
     print(f"bench snapshot ({rows:,} rows, {size}); round 1 is the first copy in this process (Python workers "
           "started, the JVM's write path compiled), round 2 the same copies again")
     for name, label in (("raw", "raw COPY read"), ("spark", "hand-written Spark copy"), ("product", "cdc_apply's copy"),
-                        ("delta", "  with Delta's writer")):
+                        ("delta", "  with Delta's writer"), ("logged", "  with the change log")):
+        if not times[name][0]:
+            continue
         print(f"  {label:<24} {times[name][0]:7.1f} s  {first[name]:>12,.0f} rows/s   round 2: {times[name][1]:7.1f} s  "
               f"{warm[name]:>12,.0f} rows/s")
     print(f"  cdc_apply's copy: {method}; Python driver RSS: peak {rss.peak / 2**20:,.0f} MB, "
@@ -199,8 +213,9 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
     for label, rates in (("round 1", first), ("round 2", warm)):
         print(f"  {label}: cdc_apply ÷ raw COPY read {rates['product'] / rates['raw']:.3f}x (goal >= 0.25x); "
               f"cdc_apply ÷ hand-written Spark copy {rates['product'] / rates['spark']:.2f}x (goal >= 3x); "
-              f"files written by the tasks ÷ by Delta's writer {rates['product'] / rates['delta']:.2f}x")
+              f"files written by the tasks ÷ by Delta's writer {rates['product'] / rates['delta']:.2f}x"
+              + (f"; with the change log ÷ without {rates['logged'] / rates['product']:.2f}x" if rates["logged"] else ""))
     return {"product_over_raw": warm["product"] / warm["raw"], "product_over_spark": warm["product"] / warm["spark"],
             "first_product_over_raw": first["product"] / first["raw"],
             "first_product_over_spark": first["product"] / first["spark"], "driver_peak_rss_mb": rss.peak / 2**20,
-            "tasks_over_delta_writer": warm["product"] / warm["delta"]}
+            "tasks_over_delta_writer": warm["product"] / warm["delta"], "logged_over_tasks": warm["logged"] / warm["product"]}

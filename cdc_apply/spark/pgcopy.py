@@ -12,7 +12,9 @@ With ``files_root`` set, a task writes each range's batches into one Parquet fil
 directory itself (pyarrow, with the table's physical column names) and yields only the file's
 path, size, rows and statistics: the driver commits them (``apply/targets.FileAppend``). Spark's Arrow
 hand-over and the JVM's Parquet writer were about half of a copy's time (docs/live.md, "Initial
-copy on Spark's executors").
+copy on Spark's executors"). With ``log`` set too (the change log is on), the task also writes the
+range's rows, from the same COPY text, into one file of the change log (``spark/log_files.CopyLog``),
+which the driver commits before the target's.
 
 A chunk the columnar conversion does not take (a value its target column cannot hold, a value
 Arrow cannot represent) fails the task with ``NEEDS_DRIVER`` in its message: the driver then
