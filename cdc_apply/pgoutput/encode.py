@@ -22,11 +22,6 @@ def encode_relation(relation: m.Relation) -> bytes:
     return b"".join(parts)
 
 
-def encode_truncate(relation_oid: int, options: int = 0) -> bytes:
-    """A Truncate message of one relation (outside a stream block)."""
-    return b"T" + struct.pack("!IBI", 1, options, relation_oid)
-
-
 def encode_inserts(relation_oid: int, values: Sequence[pa.Array], rows: int) -> pa.Array:
     """One Insert message for each of ``rows`` rows (outside a stream block) of text-format ``values``,
     one array per column in the relation's order, SQL NULL as null: the message each row would have

@@ -29,7 +29,7 @@ from cdc_apply.apply.files import ParquetFile, WrittenFile, new_file_name
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import pg_us_to_unix_us
 from cdc_apply.pgoutput import messages as m
-from cdc_apply.pgoutput.encode import encode_inserts, encode_relation, encode_truncate
+from cdc_apply.pgoutput.encode import encode_inserts, encode_relation
 from cdc_apply.spark.rows import SOURCE_SCHEMA
 
 # The Parquet column paths of the layout that get min/max statistics (those a read prunes by) and
@@ -72,9 +72,8 @@ class CopyLog:
         return self.range_seqs[(source, first_page)]
 
     def truncate(self) -> pa.RecordBatch:
-        """The attempt's first row: a Truncate of the table."""
-        return self._batch(1, self.first_seq, "T", None, None, pa.array([encode_truncate(self.relation.oid)]),
-                           truncate_options=0)
+        """The attempt's first row: a Truncate of the table (no ``_cdc_change``, as the stream's)."""
+        return self._batch(1, self.first_seq, "T", None, None, pa.nulls(1, pa.binary()), truncate_options=0)
 
     def inserts(self, values: Sequence[pa.Array], rows: int, first_seq: int,
                 seq_limit: int = MAX_SEQ + 1) -> pa.RecordBatch:
