@@ -24,6 +24,9 @@ Invariants:
   and removes the mark last. While the mark exists the target counts as not in sync, so a resync
   cut short is finished by the next ``resync`` or run, which resumes it like any copy; the old
   version never vouches for a half-copied table.
+- With the change log on, a copy's rows go into it too, each wave's or chunk's commit of them
+  before the target's, after a Truncate row (``spark/log_files.py``); the log records whether it
+  holds them all (``ChangeLog.record_copy``): not for a resumed copy, whose rows are merged.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
-import pyarrow as pa
 
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.evolve import apply_actions
@@ -56,6 +58,7 @@ from cdc_apply.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_dat
 from cdc_apply.progress import progress
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.sources.slot import confirmed_flush
+from cdc_apply.sources.copy_text import CopyRows
 from cdc_apply.sources.snapshot import CopyRange, ExportedSnapshot, PublishedTable, published_tables
 from cdc_apply.spark.log_files import MAX_SEQ, CopyLog
 from cdc_apply.spark.pgcopy import CopyNeedsDriver, TableCopy, copy_frame, task_errors
@@ -245,7 +248,7 @@ class Snapshotter:
                 first_row = rows
                 rows += len(chunk)
                 after = [chunk.text(len(chunk) - 1, i) or "" for i in positions]  # a unique key's values are not null
-                self._log_chunk(copy, chunk.columns(), len(chunk), first_row)
+                self._log_chunk(copy, chunk, first_row)
                 self.applier.write_snapshot_chunk(
                     relation, inserted_images(chunk.buf, chunk.is_null, chunk.starts, chunk.lengths), first_row,
                     copy.since - 1, copy.commit_ts, {**copy.progress, "after": after, "rows": rows} if key else None)
@@ -259,11 +262,12 @@ class Snapshotter:
         if self.changelog is not None and copy.resumed is None:
             copy.log = self.changelog.copy_log(copy.table.relation, copy.since - 1, copy.commit_ts, seqs)
 
-    def _log_chunk(self, copy: _TableCopyRun, values: list[pa.Array], count: int, first_row: int) -> None:
-        """A driver's chunk of ``count`` rows (the copy's ``first_row`` on) into the change log, in its
-        own commit, before the target's; past the seqs a copy can number, the copy's logging stops."""
+    def _log_chunk(self, copy: _TableCopyRun, chunk: CopyRows, first_row: int) -> None:
+        """A driver's chunk (the copy's ``first_row`` on) into the change log, in its own commit, before
+        the target's; past the seqs a copy can number, the copy's logging stops."""
         if copy.log is None or self.changelog is None:
             return
+        count = len(chunk)
         first_seq = copy.log.first_seq + 1 + first_row
         if first_seq + count > MAX_SEQ + 1:
             log.warning("%s: the copy's rows from row %d on are not written to the change log (past the int32 seq "
@@ -271,7 +275,7 @@ class Snapshotter:
                         first_row + 1)
             copy.log = None
             return
-        written = copy.log.write([copy.log.inserts(values, count, first_seq)])
+        written = copy.log.write([copy.log.inserts(chunk.columns(), count, first_seq)])
         if written is not None:
             self.changelog.commit_copy([written], copy.table.relation, copy.since - 1)
 
