@@ -230,11 +230,13 @@ def test_copied_tables_rebuild_from_the_change_log(db18, spark, tmp_path, caplog
                                                  rf"at LSN .*, after LSN {before_copy}"):
             replay_changelog(spark, config, replace(apply_options(config), warehouse=str(tmp_path / "asof")),
                              until_lsn=parse_lsn(before_copy))
+        assert not (tmp_path / "asof").exists()  # refused before it wrote anything
         # A copy recorded as not in the log (an earlier cdc_apply's, or one that resumed) is refused.
         oid, tags = next((oid, c) for oid, c in changelog.copies().items() if c.table == "public.tags")
         changelog.record_copy(oid, tags.table, tags.lsn, tags.rows, logged=False)
         with pytest.raises(ChangeLogError, match=r"public\.tags .*a copy's rows are not in the change log"):
             replay_changelog(spark, config, replace(apply_options(config), warehouse=str(tmp_path / "unlogged")))
+        assert not (tmp_path / "unlogged").exists()
 
 
 def test_replay_refuses_a_mix_of_captures_and_the_change_log() -> None:
