@@ -256,10 +256,13 @@ class Snapshotter:
                 failpoint("snapshot_chunk")
         return rows
 
-    def _start_log(self, copy: _TableCopyRun, seqs: int) -> None:
+    def _logs(self, copy: _TableCopyRun) -> bool:
         """With the change log on, the copy's rows go into it too (``spark/log_files.py``), unless the
         copy resumes one cut short (rows of two snapshots, merged: it stays out of the log)."""
-        if self.changelog is not None and copy.resumed is None:
+        return self.changelog is not None and copy.resumed is None
+
+    def _start_log(self, copy: _TableCopyRun, seqs: int) -> None:
+        if self.changelog is not None and self._logs(copy):
             copy.log = self.changelog.copy_log(copy.table.relation, copy.since - 1, copy.commit_ts, seqs)
 
     def _log_chunk(self, copy: _TableCopyRun, chunk: CopyRows, first_row: int) -> None:
@@ -299,7 +302,7 @@ class Snapshotter:
         job = TableCopy(self.config.source.conninfo(), snapshot.name, table, state.column_map(), target.data_types(),
                         schema.exact_text_columns(table.relation, state), dict(schema.types.named), settings.chunk_rows,
                         self._metadata_values(copy, table.relation))
-        if settings.file_writer == "tasks":  # only tasks that write files write the log's too
+        if settings.file_writer == "tasks" and self._logs(copy):  # only tasks that write files write the log's
             # A range holds at most range_pages pages of the snapshot's rows (page_ranges): its seqs.
             slots = settings.range_pages * snapshot.tuples_per_page()
             self._start_log(copy, 1 + len(ranges) * slots)

@@ -57,6 +57,8 @@ FILL_STEP = 500_000
 # cdc_apply's copies in every round: snapshot.file_writer tasks and delta, and with --changelog the
 # tasks' copy again with the change log on (its tasks write each range's rows into the log too).
 VARIANTS: dict[str, tuple[str, bool]] = {"tasks": ("tasks", False), "delta": ("delta", False), "logged": ("tasks", True)}
+LABELS = {"raw": "raw COPY read", "spark": "hand-written Spark copy", "tasks": "cdc_apply's copy",
+          "delta": "  with Delta's writer", "logged": "  with the change log"}  # the report's lines, in order
 
 
 def create_lineitem(conn: psycopg.Connection, rows: int) -> None:
@@ -164,7 +166,7 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
                     ensure_publication_and_slot(conn, config.source)                       # copies, as in a run
             # Warm the JVM with a small write, so neither Spark copy pays for the first one.
             spark.range(10).write.format("delta").save(f"{warehouse}/warm_up")
-            times: dict[str, list[float]] = {"raw": [], "product": [], "delta": [], "logged": [], "spark": []}
+            times: dict[str, list[float]] = {name: [] for name in ("raw", *variants, "spark")}
             copies: list[TableSnapshot] = []
             rss = PeakRss()
             for round_, by_writer in enumerate(configs, 1):
@@ -193,29 +195,29 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
                     server.dsn, spark, f"{warehouse}/by_hand{round_}"))  # noqa: B023
                 assert raw_rows == spark_rows == rows and all(copied == rows for copied, _ in product.values()), \
                     (raw_rows, spark_rows, product)
-                for name, seconds in (("raw", raw_s), ("product", product["tasks"][1]), ("delta", product["delta"][1]),
-                                      ("logged", product["logged"][1] if "logged" in product else 0.0),
-                                      ("spark", spark_s)):
+                for name, (_, seconds) in (("raw", (raw_rows, raw_s)), *product.items(), ("spark", (spark_rows, spark_s))):
                     times[name].append(seconds)
     method = "Spark's tasks, page ranges" if copies[0].method == "ranges" else "the driver, key order"
-    first = {name: rows / seconds[0] if seconds[0] else 0.0 for name, seconds in times.items()}
-    warm = {name: rows / seconds[1] if seconds[1] else 0.0 for name, seconds in times.items()}
+    first = {name: rows / seconds[0] for name, seconds in times.items()}
+    warm = {name: rows / seconds[1] for name, seconds in times.items()}
     print(f"bench snapshot ({rows:,} rows, {size}); round 1 is the first copy in this process (Python workers "
           "started, the JVM's write path compiled), round 2 the same copies again")
-    for name, label in (("raw", "raw COPY read"), ("spark", "hand-written Spark copy"), ("product", "cdc_apply's copy"),
-                        ("delta", "  with Delta's writer"), ("logged", "  with the change log")):
-        if not times[name][0]:
+    for name, label in LABELS.items():
+        if name not in times:
             continue
         print(f"  {label:<24} {times[name][0]:7.1f} s  {first[name]:>12,.0f} rows/s   round 2: {times[name][1]:7.1f} s  "
               f"{warm[name]:>12,.0f} rows/s")
     print(f"  cdc_apply's copy: {method}; Python driver RSS: peak {rss.peak / 2**20:,.0f} MB, "
           f"{rss.start / 2**20:,.0f} MB before it (round 1)")
     for label, rates in (("round 1", first), ("round 2", warm)):
-        print(f"  {label}: cdc_apply ÷ raw COPY read {rates['product'] / rates['raw']:.3f}x (goal >= 0.25x); "
-              f"cdc_apply ÷ hand-written Spark copy {rates['product'] / rates['spark']:.2f}x (goal >= 3x); "
-              f"files written by the tasks ÷ by Delta's writer {rates['product'] / rates['delta']:.2f}x"
-              + (f"; with the change log ÷ without {rates['logged'] / rates['product']:.2f}x" if rates["logged"] else ""))
-    return {"product_over_raw": warm["product"] / warm["raw"], "product_over_spark": warm["product"] / warm["spark"],
-            "first_product_over_raw": first["product"] / first["raw"],
-            "first_product_over_spark": first["product"] / first["spark"], "driver_peak_rss_mb": rss.peak / 2**20,
-            "tasks_over_delta_writer": warm["product"] / warm["delta"], "logged_over_tasks": warm["logged"] / warm["product"]}
+        print(f"  {label}: cdc_apply ÷ raw COPY read {rates['tasks'] / rates['raw']:.3f}x (goal >= 0.25x); "
+              f"cdc_apply ÷ hand-written Spark copy {rates['tasks'] / rates['spark']:.2f}x (goal >= 3x); "
+              f"files written by the tasks ÷ by Delta's writer {rates['tasks'] / rates['delta']:.2f}x"
+              + (f"; with the change log ÷ without {rates['logged'] / rates['tasks']:.2f}x" if "logged" in rates else ""))
+    result = {"product_over_raw": warm["tasks"] / warm["raw"], "product_over_spark": warm["tasks"] / warm["spark"],
+              "first_product_over_raw": first["tasks"] / first["raw"],
+              "first_product_over_spark": first["tasks"] / first["spark"], "driver_peak_rss_mb": rss.peak / 2**20,
+              "tasks_over_delta_writer": warm["tasks"] / warm["delta"]}
+    if "logged" in warm:
+        result["logged_over_tasks"] = warm["logged"] / warm["tasks"]
+    return result

@@ -134,7 +134,8 @@ def write_files(copy: TableCopy, pages: CopyRange, chunks: Iterable[CopyData], c
         for chunk in chunks:
             raw = chunk_values(copy, chunk)
             target.write(chunk_batch(copy, raw, chunk, codec))
-            if log is not None and log_file is not None:
+            if log_file is not None:
+                assert log is not None
                 log_file.write(log.inserts(raw, len(raw[0]), first_seq + chunk.first_row, first_seq + log.range_slots))
     finally:
         written = [(target.close(), False), (log_file.close() if log_file is not None else None, True)]
