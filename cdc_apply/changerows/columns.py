@@ -14,6 +14,7 @@ re-decoded alone by the scalar path, which raises the error naming its LSN and b
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from operator import attrgetter
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -33,8 +34,14 @@ from cdc_apply.pgtypes.vectorized import FALLBACK_ERRORS, VectorFallback, conver
 
 _N, _K, _O, _U, _T = (ord(c) for c in "NKOUT")
 _OP_CODES = np.array([ord(c) for c in "DITU"], np.uint8)
-_OP_NAMES = pa.array(list("DITU"), pa.string())
 _OP, _SEQ, _IN_STREAM, _TRUNCATE_OPTIONS = (attrgetter(name) for name in ("op", "seq", "in_stream", "truncate_options"))
+
+
+@cache
+def _op_names() -> pa.Array:
+    """Made on first use, not at import: ``pa.array`` imports pandas (0.5 s of CPU), which the data
+    source's planning workers, importing this module but never building a row, do not need."""
+    return pa.array(list("DITU"), pa.string())
 
 
 @dataclass
@@ -105,7 +112,7 @@ def parse_segment(segment: Segment, parsed: ParsedRows | None = None) -> ParsedS
         "relation_oid": pa.array(np.full(count, relation.oid, np.int64)),
         "schema": pa.array([relation.namespace]).take(np.zeros(count, np.int32)),
         "table": pa.array([relation.name]).take(np.zeros(count, np.int32)),
-        "op": _OP_NAMES.take(np.searchsorted(_OP_CODES, ops)),
+        "op": _op_names().take(np.searchsorted(_OP_CODES, ops)),
         "unchanged": _unchanged(new, segment.codec, count, wired),
         "truncate_options": (pa.array(np.fromiter(map(_TRUNCATE_OPTIONS, changes), np.int8, count), mask=~truncates)
                              if truncates.any() else pa.nulls(count, pa.int8())),
