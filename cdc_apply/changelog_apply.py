@@ -137,6 +137,10 @@ def transaction_windows(per_transaction: list[tuple[int, int, int]], max_changes
     return windows
 
 
+# percentile_approx's accuracy for the pieces' cuts: a piece's rows are right within 1/this of the whole.
+PIECE_CUT_ACCURACY = 10_000
+
+
 class ChangeLogApplier:
     """Applies the change log's transactions to the targets of ``applier``'s warehouse."""
 
@@ -276,28 +280,38 @@ class ChangeLogApplier:
         ``seq``) into a spill file, as the stream spills a large one: the applier takes it as it takes
         a spilled transaction from the slot, and neither the JVM nor Python holds its rows together
         (collected whole, a 256 MB update ran a 4 GB driver JVM out of heap)."""
-        from pyspark.sql import functions as F
-
-        low, high = window.agg(F.min("seq"), F.max("seq")).collect()[0]
-        # Pieces of about piece_bytes of messages (as the log was appended), by the changes' seq, which
-        # a transaction numbers densely: the rows' text images come on top, so a piece of max_changes
-        # rows of 1 KB changes (400 MB through the JVM) once lost its task result to memory pressure.
-        span = high - low + 1
-        step = max(1, min(self.max_changes, span * self.piece_bytes // max(1, message_bytes)))
+        bounds = self._piece_bounds(window, message_bytes)
         buffer = ChangeBuffer(self.spill_bytes, None)
         head: Transaction | None = None
-        for start in range(low, high + 1, step):
-            piece = window.where((window["seq"] >= start) & (window["seq"] < start + step))
+        for start, end in zip(bounds, bounds[1:]):
+            piece = window.where((window["seq"] >= start) & (window["seq"] < end))
             for transaction in micro_batch_changes(piece.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())[0]:
                 head = head or transaction
                 for change in transaction.changes:
                     buffer.append(change, len(change.wire or b""))
         assert head is not None, "a window holds at least one row"
         changes = buffer.finish()
-        log.info("change log: the transaction committed at %s (%d changes) read in pieces of %d rows%s",
-                 format_lsn(head.commit_lsn), len(changes), step,
+        log.info("change log: the transaction committed at %s (%d changes) read in %d piece(s)%s",
+                 format_lsn(head.commit_lsn), len(changes), len(bounds) - 1,
                  ", spilled to disk" if isinstance(changes, SpilledChanges) else "")
         return replace(head, changes=changes)
+
+    def _piece_bounds(self, window: DataFrame, message_bytes: int) -> list[int]:
+        """Where ``window``'s pieces begin, and the end of the last (exclusive): pieces of about
+        piece_bytes of messages (as the log was appended) and at most about max_changes rows (their
+        text images come on top: a piece of 400 MB of rows once lost its task result to memory
+        pressure), cut at quantiles of the rows' ``seq``. Not at equal steps of ``seq``: a copy logged
+        by Spark's tasks numbers its rows by page slots, most of them unused, so equal steps held a
+        few rows each."""
+        from pyspark.sql import functions as F
+
+        rows, low, high = window.agg(F.count("*"), F.min("seq"), F.max("seq")).first()  # type: ignore[misc]
+        pieces = max(1, -(-message_bytes // self.piece_bytes), -(-rows // self.max_changes))
+        cuts: list[int] = []
+        if pieces > 1:
+            fractions = [index / pieces for index in range(1, pieces)]
+            cuts = window.agg(F.percentile_approx("seq", fractions, PIECE_CUT_ACCURACY)).first()[0]  # type: ignore[index]
+        return sorted({low, *cuts, high + 1})
 
     def apply_logged(self, transactions: list[Transaction]) -> BatchResult | None:
         """Transactions the log holds, handed over in memory by the stream right after it appended them
