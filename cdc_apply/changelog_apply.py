@@ -207,7 +207,7 @@ class ChangeLogApplier:
         transaction, applied, on_driver = found
         if on_driver:
             rest = window.where(F.col("relation_oid").isin(list(on_driver)))
-            spilled = self._spilled(rest, sum(on_driver.values()))
+            spilled = self._spilled(rest, list(on_driver.values()))
             transaction = replace(spilled, changes=[])
             applied += self.applier.apply([spilled]).tables
         lsn = transaction.commit_lsn
@@ -224,16 +224,18 @@ class ChangeLogApplier:
             return None
         return BatchResult(1, lsn, lsn, found[1], time.perf_counter() - started)
 
-    def _tables_on_executors(self, window: DataFrame) -> tuple[Transaction, list[TableResult], dict[int, int]] | None:
+    def _tables_on_executors(self, window: DataFrame) -> tuple[Transaction, list[TableResult], dict[int, Row]] | None:
         """The one transaction of ``window`` (its head, without changes), the results of the tables Spark
         collapsed and merged (those with updates or deletes under one Relation definition, no truncate),
-        and the others' message bytes by relation OID, for the driver; None when ``window`` is empty."""
+        and the others' aggregates (rows per op, message bytes, lowest and highest ``seq``) by relation
+        OID, for the driver; None when ``window`` is empty."""
         from pyspark.sql import functions as F
 
         tables = window.groupBy("relation_oid").agg(
             F.count_distinct("_cdc_relation").alias("definitions"), F.first("_cdc_relation").alias("relation"),
             *(F.count_if(F.col("op") == op).alias(op) for op in "IUDT"),
-            F.sum(F.length("_cdc_change")).alias("message_bytes"), F.first("xid").alias("xid"),
+            F.sum(F.length("_cdc_change")).alias("message_bytes"), F.min("seq").alias("low_seq"),
+            F.max("seq").alias("high_seq"), F.first("xid").alias("xid"),
             F.first("end_lsn").alias("end_lsn"), F.unix_micros(F.first("commit_ts")).alias("commit_us"),
             F.first("origin").alias("origin"), F.first("commit_lsn").alias("commit_lsn")).collect()
         if not tables:
@@ -243,13 +245,13 @@ class ChangeLogApplier:
         transaction = Transaction(head["xid"], lsn, head["end_lsn"], head["commit_us"] - PG_EPOCH_OFFSET_US, [],
                                   origin=head["origin"])
         applied: list[TableResult] = []
-        on_driver: dict[int, int] = {}
+        on_driver: dict[int, Row] = {}
         for table in tables:
             result = None
             if table["definitions"] == 1 and not table["T"] and (table["U"] or table["D"]):
                 result = self._on_executors(window.where(F.col("relation_oid") == table["relation_oid"]), table, lsn)
             if result is None:
-                on_driver[table["relation_oid"]] = table["message_bytes"] or 0
+                on_driver[table["relation_oid"]] = table
             else:
                 applied.append(result)
         return transaction, applied, on_driver
@@ -275,12 +277,12 @@ class ChangeLogApplier:
                         next((line for line in reason if REFUSED in line), reason[0] if reason else type(exc).__name__))
             return None
 
-    def _spilled(self, window: DataFrame, message_bytes: int) -> Transaction:
+    def _spilled(self, window: DataFrame, tables: list[Row]) -> Transaction:
         """The one transaction of ``window``, read from the log a piece at a time (by its changes'
         ``seq``) into a spill file, as the stream spills a large one: the applier takes it as it takes
         a spilled transaction from the slot, and neither the JVM nor Python holds its rows together
         (collected whole, a 256 MB update ran a 4 GB driver JVM out of heap)."""
-        bounds = self._piece_bounds(window, message_bytes)
+        bounds = self._piece_bounds(window, tables)
         buffer = ChangeBuffer(self.spill_bytes, None)
         head: Transaction | None = None
         for start, end in zip(bounds, bounds[1:]):
@@ -296,8 +298,9 @@ class ChangeLogApplier:
                  ", spilled to disk" if isinstance(changes, SpilledChanges) else "")
         return replace(head, changes=changes)
 
-    def _piece_bounds(self, window: DataFrame, message_bytes: int) -> list[int]:
-        """Where ``window``'s pieces begin, and the end of the last (exclusive): pieces of about
+    def _piece_bounds(self, window: DataFrame, tables: list[Row]) -> list[int]:
+        """Where ``window``'s pieces begin, and the end of the last (exclusive), from its ``tables``'
+        aggregates (``_tables_on_executors``, so only the cuts need a Spark job): pieces of about
         piece_bytes of messages (as the log was appended) and at most about max_changes rows (their
         text images come on top: a piece of 400 MB of rows once lost its task result to memory
         pressure), cut at quantiles of the rows' ``seq``. Not at equal steps of ``seq``: a copy logged
@@ -305,7 +308,9 @@ class ChangeLogApplier:
         few rows each."""
         from pyspark.sql import functions as F
 
-        rows, low, high = window.agg(F.count("*"), F.min("seq"), F.max("seq")).first()  # type: ignore[misc]
+        message_bytes = sum(table["message_bytes"] or 0 for table in tables)
+        rows = sum(table[op] for table in tables for op in "IUDT")
+        low, high = min(table["low_seq"] for table in tables), max(table["high_seq"] for table in tables)
         pieces = max(1, -(-message_bytes // self.piece_bytes), -(-rows // self.max_changes))
         cuts: list[int] = []
         if pieces > 1:
