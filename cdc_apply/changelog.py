@@ -35,17 +35,17 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from cdc_apply.apply.sessionconf import delta_commit_conf
 from cdc_apply.apply.files import WrittenFile
 from cdc_apply.apply.targets import FileAppend, KnownVersionAppend, Target, sql_string
 from cdc_apply.assemble import SpilledChanges, Transaction
-from cdc_apply.changelog_process import LogWriterProcess
 from cdc_apply.config import Config
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.pgoutput import messages as m
-from cdc_apply.spark.log_files import COPY_XID, MAX_SEQ, CopyLog, write_partitions
+from cdc_apply.spark.log_files import COPY_XID, MAX_SEQ, CopyLog, write_log_file
 from cdc_apply.spark.rows import SOURCE_SCHEMA, SPARK_DDL, record_batches
 
 if TYPE_CHECKING:
@@ -108,7 +108,6 @@ class ChangeLog:
         self._version: int | None = None
         self._ready = False
         self.piece_bytes = min(LOG_PIECE_BYTES, config.batching.spill_bytes)
-        self.process_min_changes = config.changelog.process_min_changes
         self.pieces_written = 0  # pieces of spilled transactions in the last append
         self._layout_types: dict[str, Any] | None = None  # the layout's Spark types, by column
 
@@ -209,14 +208,7 @@ class ChangeLog:
         spilled one a piece at a time (``piece_bytes`` of messages), so the driver never holds it
         whole. Counts the pieces in ``pieces_written``."""
         self.pieces_written = 0
-        yield list(record_batches(self._in_memory(transactions)))
-        yield from self._spilled_parts(transactions)
-
-    @staticmethod
-    def _in_memory(transactions: Sequence[Transaction]) -> list[Transaction]:
-        return [t for t in transactions if not isinstance(t.changes, SpilledChanges)]
-
-    def _spilled_parts(self, transactions: Sequence[Transaction]) -> Iterator[list[pa.RecordBatch]]:
+        yield list(record_batches([t for t in transactions if not isinstance(t.changes, SpilledChanges)]))
         for txn in transactions:
             if isinstance(txn.changes, SpilledChanges):
                 for piece in txn.changes.pieces(self.piece_bytes):
@@ -240,19 +232,18 @@ class ChangeLog:
 
     def _write_files(self, files: FileAppend, transactions: Sequence[Transaction]) -> list[WrittenFile]:
         """Each part's rows in one Parquet file per table (``relation_oid``: the partition), in the
-        table's directory; the files, for ``files`` to commit. The transactions held in memory go
-        to the helper process when they hold ``process_min_changes`` changes or more
-        (``changelog_process.py``)."""
-        root = self.target.local_root
-        self.pieces_written = 0
-        in_memory = self._in_memory(transactions)
-        written = None
-        if self.process_min_changes and sum(len(t.changes) for t in in_memory) >= self.process_min_changes:
-            written = LogWriterProcess.write(root, in_memory)
-        if written is None:
-            written = write_partitions(root, record_batches(in_memory))
-        for batches in self._spilled_parts(transactions):
-            written += write_partitions(root, batches)
+        table's directory; the files, for ``files`` to commit."""
+        written = []
+        for batches in self._parts(transactions):
+            by_relation: dict[int, list[pa.RecordBatch]] = {}
+            for batch in batches:  # one table's segment, as record_batches cuts them
+                oids = pc.unique(batch["relation_oid"]).to_pylist()
+                for oid in oids:
+                    rows = batch if len(oids) == 1 else batch.filter(pc.equal(batch["relation_oid"], oid))
+                    by_relation.setdefault(oid, []).append(rows.drop_columns(["relation_oid"]))
+            for oid, group in by_relation.items():
+                if (file := write_log_file(self.target.local_root, oid, group)) is not None:
+                    written.append(file)
         return written
 
     @staticmethod

@@ -252,10 +252,6 @@ class ChangelogConfig(_Strict):
     # separate: cdc-apply follow-changelog does (a Structured Streaming query over the log); the run
     # only copies new tables and appends to the log.
     targets: Literal["in_process", "separate"] = "in_process"
-    # A batch holding at least this many changes in memory has its log files written by a helper
-    # process, while the stream's thread goes on receiving (docs/changelog.md, "Who writes the
-    # files"); 0: always on the writer thread.
-    process_min_changes: int = Field(20_000, ge=0)
 
     @property
     def follower(self) -> Literal["in_process", "separate"] | None:

@@ -11,14 +11,11 @@ from collections import Counter
 
 import psycopg
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from cdc_apply.assemble import Assembler
-from cdc_apply.changelog_process import LogWriterProcess, pack, unpack
 from cdc_apply.changerows.segments import ChangeRowBuilder, change_rows
 from cdc_apply.errors import CdcApplyError
-from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import PgOutputDecoder
 from cdc_apply.sources.slot import server_version_num
@@ -243,34 +240,3 @@ def test_spilled_transactions_with_aborted_subtransactions_match_in_memory(golde
         # were already on disk when the abort arrived, and must not come back from the file.
         assert any(t.spilled_changes > len(t.changes) for t in streamed), variant.name
         assert [seg.rows for seg in change_rows(spilled)] == [seg.rows for seg in change_rows(in_memory)]
-
-
-def test_the_change_log_helper_process_writes_the_rows_of_the_writer_thread(golden, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """``changelog_process``: transactions packed into arrays and rebuilt in the helper process give
-    the change log the rows the writer thread gives it; a change it cannot parse is named."""
-    version, found, captures, truth = golden
-    keys = ("commit_lsn", "xid", "seq", "table", "op")
-
-    def sorted_rows(table: pa.Table) -> list[dict]:  # type: ignore[type-arg]
-        return sorted(table.to_pylist(), key=lambda row: tuple(row[k] for k in keys))
-
-    for (name, binary), raws in captures.items():
-        transactions = list(Assembler().transactions(raws))
-        expected = pa.Table.from_batches(list(record_batches(transactions)), schema=SOURCE_SCHEMA)
-        assert expected.num_rows > 0 and "T" in expected["op"].to_pylist()
-        rebuilt = pa.Table.from_batches(list(record_batches(unpack(pack(transactions)))), schema=SOURCE_SCHEMA)
-        assert rebuilt.equals(expected), f"{name} binary={binary}"
-        root = tmp_path / f"{name}_{binary}"
-        files = LogWriterProcess.write(str(root), transactions)
-        assert files is not None and sum(f.rows for f in files) == expected.num_rows
-        written = pa.concat_tables([pq.read_table(root / f.path).append_column(
-            "relation_oid", pa.array([int(f.partition_values["relation_oid"])] * f.rows, pa.int64())) for f in files])
-        assert sorted_rows(written.select(expected.column_names)) == sorted_rows(expected), f"{name} binary={binary}"
-
-    transactions = list(Assembler().transactions(captures[("v1", False)]))
-    bad = next(t for t in transactions if any(c.op == "U" for c in t.changes))
-    change = next(c for c in bad.changes if c.op == "U")
-    change.wire = change.wire[:-1]  # type: ignore[index]
-    with pytest.raises(CdcApplyError, match=rf"^{change.source}, LSN {format_lsn(change.lsn)}, message 'U', byte offset "
-                                            r"\d+: truncated"):
-        LogWriterProcess.write(str(tmp_path / "bad"), transactions)

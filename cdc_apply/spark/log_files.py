@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from cdc_apply.apply.files import ParquetFile, WrittenFile, new_file_name
 from cdc_apply.errors import CdcApplyError
@@ -54,17 +53,6 @@ def log_file(root: str, relation_oid: int, task: int = 0) -> ParquetFile:
 def write_log_file(root: str, relation_oid: int, batches: Iterable[pa.RecordBatch], task: int = 0) -> WrittenFile | None:
     """``batches`` in one new ``log_file``; None when they hold no row."""
     return log_file(root, relation_oid, task).write_all(batches)
-
-
-def write_partitions(root: str, batches: Iterable[pa.RecordBatch]) -> list[WrittenFile]:
-    """Change rows of any tables (``spark/rows.record_batches``) in one new ``log_file`` per table."""
-    by_relation: dict[int, list[pa.RecordBatch]] = {}
-    for batch in batches:  # one table's segment, as record_batches cuts them
-        oids = pc.unique(batch["relation_oid"]).to_pylist()
-        for oid in oids:
-            rows = batch if len(oids) == 1 else batch.filter(pc.equal(batch["relation_oid"], oid))
-            by_relation.setdefault(oid, []).append(rows.drop_columns(["relation_oid"]))
-    return [file for oid, group in by_relation.items() if (file := write_log_file(root, oid, group)) is not None]
 
 
 @dataclass(frozen=True)
