@@ -6,14 +6,16 @@
    takes up to twice as long), so the first run warms it up and is reported apart (its p99).
 2. Backlog: the same load, unthrottled, with the pipeline stopped. Then the walsender's own delivery
    rate of that backlog (a second slot, frames read and dropped) and the pipeline's catch-up rate
-   over the same WAL; their ratio is the figure to compare.
+   over the same WAL; their ratio is the figure to compare. The delivery is timed twice, before
+   and after the catch-up (a slot each), and the faster is the one compared: one timing swung
+   from 81k to 187k changes/s between backlogs of one run (2026-11-28).
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import psycopg
 
@@ -35,7 +37,13 @@ if TYPE_CHECKING:
     from cdc_apply.sink import RunSummary
 
 
-def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> tuple[int, float, int]:
+class Delivery(NamedTuple):
+    changes: int  # DML messages
+    seconds: float
+    last_end: int  # the end LSN of the last transaction
+
+
+def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> Delivery:
     """DML messages the walsender sends for the slot up to ``upto``, the seconds it takes, and the
     end LSN of the last transaction among them: a pipeline has caught up with the backlog once its
     slot is confirmed there. (The WAL goes on past it with records no slot reader is sent; the slot
@@ -60,7 +68,27 @@ def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> tuple[i
         stream.send_status(0)
     seconds = time.perf_counter() - started
     stream.close()
-    return changes, seconds, last_end
+    return Delivery(changes, seconds, last_end)
+
+
+def delivery_slots(server: PgServer, name: str) -> tuple[str, str]:
+    """Two slots at the WAL position now, for timing a backlog's delivery before and after a catch-up."""
+    slots = (f"{name}_before", f"{name}_after")
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        for slot in slots:
+            create_slot(conn, slot)
+    return slots
+
+
+def catchup_between_deliveries(server: PgServer, config: Config, spark: SparkSession, slots: tuple[str, str],
+                               upto: int) -> tuple[Delivery, list[float], tuple[int, float, float]]:
+    """The backlog up to ``upto`` delivered on ``slots[0]``, the pipeline's catch-up over it
+    (``catchup_follow``), then delivered again on ``slots[1]``: (the first delivery, both delivery
+    rates in changes/s, the catch-up)."""
+    before = _delivery(server, config, slots[0], upto)
+    caught_up = catchup_follow(server, config, spark, before.last_end)
+    after = _delivery(server, config, slots[1], upto)
+    return before, [d.changes / d.seconds for d in (before, after)], caught_up
 
 
 def steady_follow(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float,
@@ -164,17 +192,18 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
             steady_rate, steady = steady_follow(server, config, spark, seconds, rate, sessions, seed=3, first=False)
 
             print(f"2/{phases} backlog: unthrottled load for {seconds:g} s with the pipeline stopped ...", flush=True)
-            with psycopg.connect(server.dsn, autocommit=True) as conn:
-                create_slot(conn, "delivery")
+            slots = delivery_slots(server, "delivery")
             upto = backlog(server, seconds, sessions)
-            delivered, delivery_seconds, last_end = _delivery(server, config, "delivery", upto)
-            catchup_changes, _, catchup_seconds = catchup_follow(server, config, spark, last_end)
+            delivered, rates, (catchup_changes, _, catchup_seconds) = \
+                catchup_between_deliveries(server, config, spark, slots, upto)
             result = {
                 "steady_changes_per_s": steady_rate,
                 "lag_p50_s": steady.lag_percentile(0.5) or 0.0,
                 "lag_p99_s": steady.lag_percentile(0.99) or 0.0,
                 "cold_lag_p99_s": cold.lag_percentile(0.99) or 0.0,
-                "delivery_changes_per_s": delivered / delivery_seconds,
+                "delivery_changes_per_s": max(rates),
+                "delivery_before_changes_per_s": rates[0],
+                "delivery_after_changes_per_s": rates[1],
                 "catchup_changes_per_s": catchup_changes / catchup_seconds,
             }
             if changelog:
@@ -192,7 +221,8 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
           f"lag p50 {result['lag_p50_s']:.2f} s, p99 {result['lag_p99_s']:.2f} s "
           f"(the first run, in a new JVM: p99 {result['cold_lag_p99_s']:.2f} s)")
     print(f"  walsender delivery     {result['delivery_changes_per_s']:>10,.0f} changes/s "
-          f"({delivered:,} changes in {delivery_seconds:.2f} s)")
+          f"({delivered.changes:,} changes; the faster of two timings, {rates[0]:,.0f} before the catch-up and "
+          f"{rates[1]:,.0f} after it)")
     print(f"  pipeline catch-up      {result['catchup_changes_per_s']:>10,.0f} changes/s "
           f"({catchup_changes:,} changes in {catchup_seconds:.2f} s)  "
           f"ratio {result['ratio_catchup_to_delivery']:.3f}x (goal >= 0.4x)")
@@ -214,18 +244,19 @@ def _changelog_phases(server: PgServer, config: Config, spark: SparkSession, sec
     print(f"3/{phases} with the change log (confirm_after: changelog): the steady load, then a backlog ...",
           flush=True)
     _, steady = steady_follow(server, config, spark, seconds, rate, sessions, seed=5, first=False)
-    with psycopg.connect(server.dsn, autocommit=True) as conn:
-        create_slot(conn, "delivery_changelog")
+    slots = delivery_slots(server, "delivery_changelog")
     upto = backlog(server, seconds, sessions, seed=6)
-    delivered, delivery_seconds, last_end = _delivery(server, config, "delivery_changelog", upto)
-    changes, confirmed_seconds, targets_seconds = catchup_follow(server, config, spark, last_end)
-    delivery = delivered / delivery_seconds
+    _, rates, (changes, confirmed_seconds, targets_seconds) = catchup_between_deliveries(server, config, spark,
+                                                                                          slots, upto)
+    delivery = max(rates)
     return {
         "changelog_lag_p50_s": steady.lag_percentile(0.5, steady.changelog_lag_seconds) or 0.0,
         "changelog_lag_p99_s": steady.lag_percentile(0.99, steady.changelog_lag_seconds) or 0.0,
         "changelog_target_lag_p50_s": steady.lag_percentile(0.5) or 0.0,
         "changelog_target_lag_p99_s": steady.lag_percentile(0.99) or 0.0,
         "changelog_delivery_changes_per_s": delivery,
+        "changelog_delivery_before_changes_per_s": rates[0],
+        "changelog_delivery_after_changes_per_s": rates[1],
         "ratio_confirmed_catchup_to_delivery": changes / confirmed_seconds / delivery,
         "ratio_changelog_targets_catchup_to_delivery": changes / targets_seconds / delivery,
     }
@@ -237,6 +268,8 @@ def _print_changelog(result: dict[str, float]) -> None:
           f"{result['changelog_target_lag_p50_s']:.2f} s, p99 {result['changelog_target_lag_p99_s']:.2f} s "
           f"(without: p50 {result['lag_p50_s']:.2f} s, p99 {result['lag_p99_s']:.2f} s)")
     print(f"  confirmed catch-up     ratio {result['ratio_confirmed_catchup_to_delivery']:.3f}x of the walsender's "
-          f"delivery ({result['changelog_delivery_changes_per_s']:,.0f} changes/s; goal >= 0.6x); the targets "
+          f"delivery ({result['changelog_delivery_changes_per_s']:,.0f} changes/s, the faster of "
+          f"{result['changelog_delivery_before_changes_per_s']:,.0f} before and "
+          f"{result['changelog_delivery_after_changes_per_s']:,.0f} after; goal >= 0.6x); the targets "
           f"{result['ratio_changelog_targets_catchup_to_delivery']:.3f}x (without the log: "
           f"{result['ratio_catchup_to_delivery']:.3f}x)")
