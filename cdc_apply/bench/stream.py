@@ -81,7 +81,8 @@ def bench_stream(seconds: float = 20.0, rate: float = 40.0, sessions: int = 2,
             slots = delivery_slots(server, "delivery")
             upto = backlog(server, seconds, sessions)
             _, rates, (follow_changes, _, follow_took) = catchup_between_deliveries(server, follow, spark, slots, upto)
-            result["delivery_changes_per_s"] = max(rates)  # the faster of the timings before and after run --follow's catch-up
+            # the faster of the timings before and after run --follow's catch-up
+            result["delivery_changes_per_s"] = max(rates)
             for name, (changes, took) in (("follow", (follow_changes, follow_took)),
                                           ("stream", catchup_stream(stream, spark))):
                 result[f"{name}_catchup_changes_per_s"] = changes / took
