@@ -222,7 +222,8 @@ class PgServer:
                                 f"{self.server_log()[-4000:]}")
 
     def __enter__(self) -> PgServer:
-        return self.start()
+        # ``with PgServer().start() as server`` must not start a second server (that one fails on the port)
+        return self if self._started else self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

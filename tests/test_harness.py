@@ -40,6 +40,14 @@ def test_server_is_stopped_and_removed_even_after_a_failure() -> None:
     assert server.root is None and not root.exists()
 
 
+def test_a_started_server_used_as_a_context_manager_is_not_started_again() -> None:
+    with PgServer().start() as server:
+        root = server.root
+        with psycopg.connect(server.dsn) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    assert server.root is None and root is not None and not root.exists()
+
+
 def test_delta_merge_round_trip(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from delta.tables import DeltaTable
 

@@ -58,6 +58,7 @@ def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> Deliver
     started = time.perf_counter()
     stream.start()
     while stream.received_lsn < upto:
+        reply = False
         for frame in stream.read(timeout=2.0):
             if isinstance(frame, XLogData):
                 tag = frame.payload[:1]
@@ -65,7 +66,12 @@ def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> Deliver
                     changes += 1
                 elif tag in (b"C", b"c"):  # Commit, Stream Commit
                     last_end = decoder.decode(frame.payload).end_lsn  # type: ignore[attr-defined]
-        stream.send_status(0)
+            else:
+                reply = reply or frame.reply_requested
+        # As often as the pipeline reports: a status update after every read (a few frames each, when
+        # the reader keeps up) made this delivery 4-6% slower than the pipeline's own reads (2026-11-28).
+        if reply or time.monotonic() - stream.last_status_at >= config.source.status_interval_seconds:
+            stream.send_status(0)
     seconds = time.perf_counter() - started
     stream.close()
     return Delivery(changes, seconds, last_end)
