@@ -153,7 +153,7 @@ class LiveReplicator:
                 received = 0 if core.write_full() else self._receive(stream, core)
                 if core.write_ready(drained=received == 0):
                     core.start_write(writer)
-                if time.monotonic() - stream.last_status_at >= source.status_interval_seconds:
+                if stream.status_due(source.status_interval_seconds):
                     stream.send_status(self.confirmed, reply_requested=True)  # the reply proves the link lives
                 if self.health.due():
                     self.health.check(health_conn, own_pid=stream.conn.pgconn.backend_pid)

@@ -70,7 +70,7 @@ def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> Deliver
                 reply = reply or frame.reply_requested
         # As often as the pipeline reports: a status update after every read (a few frames each, when
         # the reader keeps up) made this delivery 4-6% slower than the pipeline's own reads (2026-11-28).
-        if reply or time.monotonic() - stream.last_status_at >= config.source.status_interval_seconds:
+        if reply or stream.status_due(config.source.status_interval_seconds):
             stream.send_status(0)
     seconds = time.perf_counter() - started
     stream.close()

@@ -132,6 +132,10 @@ class WalSenderStream:
                              f"every status update asks for a reply (bound {self.stall_seconds:g} s = "
                              f"{STALL_INTERVALS} x source.status_interval_seconds): the connection is stalled")
 
+    def status_due(self, interval_seconds: float) -> bool:
+        """Whether ``interval_seconds`` have passed since the last status update."""
+        return time.monotonic() - self.last_status_at >= interval_seconds
+
     def send_status(self, flushed_lsn: int, reply_requested: bool = False) -> None:
         """Report ``flushed_lsn`` as written, flushed and applied: the slot may advance to it."""
         now = datetime_to_pg_us(datetime.now(timezone.utc))
