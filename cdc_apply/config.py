@@ -6,14 +6,15 @@ key path (``tables."public.orders".delete_mode``) and what is allowed.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import string
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cdc_apply.errors import CdcApplyError
 
@@ -39,6 +40,25 @@ def _identifier_length(value: str, what: str) -> str:
         raise ValueError(f"{what} must be 1 to {MAX_IDENTIFIER_BYTES} bytes (PostgreSQL truncates longer names, "
                          "so two configs could share one)")
     return value
+
+
+def _conf_text(value: Any) -> Any:
+    """Spark confs and Delta table properties are text; YAML writes numbers and booleans bare
+    (``spark.sql.shuffle.partitions: 4``, ``delta.appendOnly: true``): they become the text Spark and
+    Delta read (``4``, ``true``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("a number here must be finite")
+        return repr(value)
+    return value
+
+
+# A Spark conf's or a Delta property's value: text, or a bare YAML number or boolean written as Spark reads it.
+ConfText = Annotated[str, BeforeValidator(_conf_text)]
 
 
 # libpq settings every source connection gets unless the DSN sets them (docs/operations.md, "Failover").
@@ -168,7 +188,7 @@ class TableConfig(_Strict):
     # commit, readable by every reader; "feature" uses Delta's typeWidening (no rewrite; Spark only).
     type_widening: Literal["rewrite", "feature"] = "rewrite"
     partition_by: list[str] = []
-    properties: dict[str, str] = {}
+    properties: dict[str, ConfText] = {}
     name: str | None = None  # catalog.schema.table instead of a path under the warehouse
     columns: dict[str, ColumnConfig] = {}
 
@@ -177,7 +197,7 @@ class TargetConfig(_Strict):
     warehouse: str = "./warehouse"
     path_template: str = "{schema}/{table}"
     name_template: str | None = None
-    properties: dict[str, str] = {}
+    properties: dict[str, ConfText] = {}
     optimize_every_commits: int = Field(100, ge=0, le=1_000_000)  # 0: never
 
     @field_validator("path_template", "name_template")
@@ -297,7 +317,7 @@ class Config(_Strict):
     changelog: ChangelogConfig = ChangelogConfig()
     stream: StreamConfig = StreamConfig()
     metrics: MetricsConfig = MetricsConfig()
-    spark: dict[str, str] = {}
+    spark: dict[str, ConfText] = {}
 
 
 MAX_ECHO_CHARS = 80
