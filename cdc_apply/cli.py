@@ -340,10 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config", help="YAML config file")
 
     bench = verb("bench", _cmd_bench, "benchmarks that report side-by-side ratios")
-    bench.add_argument("benchmark", choices=["decode", "apply", "e2e", "stream", "soak", "memory", "failover", "snapshot"], help="which benchmark")
+    bench.add_argument("benchmark", choices=["decode", "apply", "e2e", "stream", "soak", "memory", "failover", "snapshot", "crash", "restart"], help="which benchmark")
     bench.add_argument("--messages", type=int, default=500_000, help="decode: messages to generate")
     bench.add_argument("--binary", action="store_true", help="decode: capture with binary=true")
-    bench.add_argument("--rounds", type=int, default=3, help="decode: timed rounds per stage (medians compared); failover: failovers in a row")
+    bench.add_argument("--rounds", type=int, default=3, help="decode: timed rounds per stage (medians compared); failover: failovers in a row; "
+                            "restart: restarts")
     bench.add_argument("--rows", type=int, default=None,
                        help="apply: rows in the target table (default 10,000,000); snapshot: rows of the "
                             "lineitem-shaped table (default 2,000,000)")
@@ -364,6 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "again with the change log on")
     bench.add_argument("--updates", action="store_true",
                        help="memory: the transaction updates every row of a copied table and deletes a tenth")
+    bench.add_argument("--mode", choices=["follow", "stream", "changelog"], default="follow",
+                       help="crash: run --follow, stream, or run --follow with changelog.confirm_after: changelog; "
+                            "restart: follow or stream")
+    bench.add_argument("--kills", type=int, default=20, help="crash: random kill -9s, after the mode's failpoint kills")
+    bench.add_argument("--seed", type=int, default=7, help="crash: the random kill points' seed")
     return parser
 
 

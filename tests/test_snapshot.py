@@ -18,7 +18,7 @@ from cdc_apply.lsn import parse_lsn
 from cdc_apply.pipeline import drain
 from tests.delta_oracle import delta_rows, source_types
 from tests.reference_apply import postgres_rows
-from tests.test_crash import Job
+from cdc_apply.bench.crash import Job
 from tests.test_live import assert_delta_equals_postgres
 
 PREFILL = """

@@ -47,4 +47,15 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
 
         bench_snapshot(rows=args.rows or 2_000_000, changelog=args.changelog)
         return 0
+    if name == "restart":
+        from cdc_apply.bench.restart import bench_restart
+
+        bench_restart(rounds=args.rounds, mode=args.mode)
+        return 0
+    if name == "crash":
+        from cdc_apply.bench.crash import bench_crash
+
+        result = bench_crash(mode=args.mode, kills=args.kills, seed=args.seed)
+        return 0 if result["lost"] == result["applied_twice"] == result["problems_after_kills"] \
+            == result["tables_differing"] == 0 else 1
     raise ValueError(f"unknown benchmark {name}")

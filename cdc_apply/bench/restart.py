@@ -1,0 +1,79 @@
+"""`cdc-apply bench restart`: how long a restarted pipeline takes to apply its first new change,
+from the process start, with the CLI's settings (what a user waits after a deploy, a crash or a
+failover).
+
+One server, the load's tables (``bench/load.py``) copied by a first `run --follow` that is then
+stopped. Each round: a transaction is committed while nothing runs, a new `cdc-apply run --follow`
+(or `stream`) process is started, and the round ends when the slot is confirmed past that
+transaction's commit (`run --follow` confirms only what Delta holds) or, for `stream`, when its
+row is in the target. Reported per round: the process start to its "streaming" log line, and to
+the change applied; then the median and range over the rounds.
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+
+from cdc_apply.bench.crash import READY, SLOT, Job, confirmed_lsn, crash_config, ledger_seqs
+from cdc_apply.bench.load import create_schema
+from cdc_apply.lsn import parse_lsn
+from cdc_apply.pgserver import PgServer
+
+POLL_S = 0.05
+
+
+def _restart_round(conn: psycopg.Connection, config: Path, log: Path, warehouse: str, mode: str,
+                   round_number: int) -> tuple[float, float]:
+    """(seconds to the streaming line, seconds to the change applied) of one restarted process."""
+    seq = conn.execute("INSERT INTO ledger (session, account, amount) VALUES (99, %s, 1) RETURNING seq",
+                       (round_number,)).fetchone()[0]
+    commit_lsn = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+    started = time.monotonic()
+    verb = ("stream",) if mode == "stream" else None
+    job = Job(config, log, verb=verb, ready=READY[mode])
+    streaming_at: float | None = None
+    try:
+        while True:
+            if streaming_at is None and job.streaming.is_set():
+                streaming_at = time.monotonic() - started
+            if (seq in ledger_seqs(warehouse)) if mode == "stream" else confirmed_lsn(conn) >= commit_lsn:
+                break
+            if job.process.poll() is not None:
+                raise RuntimeError(f"the restarted job exited {job.process.returncode}\n{job.tail()}")
+            if time.monotonic() - started > 300:
+                raise TimeoutError(f"the restarted job applied nothing in 300 s\n{job.tail()}")
+            time.sleep(POLL_S)
+        applied = time.monotonic() - started
+    finally:
+        job.process.send_signal(signal.SIGTERM)
+        job.wait(timeout=120)
+    return streaming_at if streaming_at is not None else applied, applied
+
+
+def bench_restart(rounds: int = 5, mode: str = "follow") -> dict[str, float]:
+    """``mode``: ``follow`` (`run --follow`) or ``stream`` (`cdc-apply stream`)."""
+    if mode not in READY:
+        raise ValueError(f"bench restart: --mode is follow or stream, not {mode!r}")
+    with PgServer() as server, tempfile.TemporaryDirectory(prefix="cdc_apply_restart_") as directory:
+        config, warehouse, log = crash_config(Path(directory), server.dsn, mode, cli_settings=True)
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            create_schema(conn, "load")
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (SLOT,))
+            conn.execute("INSERT INTO accounts VALUES (1, 'first', 1, NULL, now())")
+            print(f"bench restart --mode {mode}: the first run copies the tables ...", flush=True)
+            _restart_round(conn, config, log, warehouse, mode, 0)
+            times = [_restart_round(conn, config, log, warehouse, mode, r) for r in range(1, rounds + 1)]
+    streaming = [t[0] for t in times]
+    applied = [t[1] for t in times]
+    print(f"bench restart --mode {mode} ({rounds} restarts, each applying one new transaction):")
+    print(f"  process start -> streaming: median {statistics.median(streaming):.2f} s "
+          f"({min(streaming):.2f}-{max(streaming):.2f})")
+    print(f"  process start -> first new change applied: median {statistics.median(applied):.2f} s "
+          f"({min(applied):.2f}-{max(applied):.2f}); goal <= 3 s")
+    return {"streaming_s": statistics.median(streaming), "applied_s": statistics.median(applied)}
