@@ -38,7 +38,39 @@ CHILD_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m -XX:
 os.environ.setdefault("SPARK_SUBMIT_OPTS", CHILD_JVM_OPTIONS)
 
 
+# The layers (docs/testing.md): marked here by the fixtures a test uses; a test that starts a server
+# or a Spark job of its own carries its mark itself.
+PG_FIXTURES = {"pg_server", "pg18", "any_db", "db18"}
+
+
+def mark_layers(items: list[pytest.Item]) -> None:
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        crash = item.get_closest_marker("crash") is not None
+        if "spark" in names or crash:
+            item.add_marker(pytest.mark.spark)
+        if names & PG_FIXTURES or crash:
+            item.add_marker(pytest.mark.pg)
+
+
+@pytest.fixture(autouse=True)
+def layer_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test without the ``pg`` mark cannot start a PostgreSQL server, and one without ``spark`` cannot
+    start a JVM, in its own process or a child: a missing mark fails the test instead of hiding a
+    server in the fast layer."""
+    marks = {mark.name for mark in request.node.iter_markers()}
+    if "spark" not in marks:
+        monkeypatch.setenv("JAVA_HOME", "/nonexistent/the-test-is-not-marked-spark")
+    if "pg" not in marks:
+        def refuse(self: PgServer, *args: object, **kwargs: object) -> PgServer:
+            raise AssertionError(f"{request.node.nodeid} starts PostgreSQL: mark it pytest.mark.pg")
+
+        monkeypatch.setattr(PgServer, "start", refuse)
+        monkeypatch.setenv("CDC_APPLY_PG_BINDIR", "/nonexistent/the-test-is-not-marked-pg")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mark_layers(items)
     longest = [next((i for i in items if i.nodeid.startswith(path)), None) for path in LONGEST_FIRST]
     rest = [i for i in items if i not in longest]
     first, second = [i for i in longest if i is not None][:1], [i for i in longest if i is not None][1:]

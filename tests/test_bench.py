@@ -23,6 +23,7 @@ def _ratio(output: str, label: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.pg
 def test_bench_decode_reports_its_ratio_to_walsender_delivery() -> None:
     run = _cli("bench", "decode", "--messages", "3000", "--rounds", "1")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -55,6 +56,8 @@ def test_bench_e2e_reports_lag_and_catch_up_with_and_without_the_log(spark, caps
     assert re.search(r"capacity \(p99 <= 10 s\) +[0-9,]+ changes/s +ratio [0-9.]+x", output), output[-2000:]
 
 
+@pytest.mark.spark
+@pytest.mark.pg
 def test_bench_memory_reports_the_peak_rss_of_a_large_streamed_transaction() -> None:
     """The update variant under ``confirm_after: changelog``: the slot confirmed at the log, then the
     targets' MERGE from the log (the insert-only pieces: test_large_transactions.py)."""

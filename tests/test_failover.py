@@ -196,6 +196,7 @@ def test_three_failovers_in_a_row_under_load_lose_nothing_and_apply_nothing_twic
     assert all(t.promotion_s > 0 and t.reconnect_s >= 0 and t.apply_s > 0 for t in times)
 
 
+@pytest.mark.pg
 def test_a_standby_slot_that_does_not_exist_is_named_at_start(caplog) -> None:  # type: ignore[no-untyped-def]
     """Right after a promotion, synchronized_standby_slots still names the old standby's slot: the
     server then sends a failover slot's reader nothing. The health check says so."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import psycopg
+import pytest
 
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import PgOutputDecoder
@@ -28,6 +29,7 @@ def test_server_is_configured_for_logical_decoding(any_db) -> None:  # type: ign
     assert [i.new.values for i in inserts] == [(b"1", b"hello")]
 
 
+@pytest.mark.pg
 def test_server_is_stopped_and_removed_even_after_a_failure() -> None:
     server = PgServer()
     try:
@@ -40,6 +42,7 @@ def test_server_is_stopped_and_removed_even_after_a_failure() -> None:
     assert server.root is None and not root.exists()
 
 
+@pytest.mark.pg
 def test_a_started_server_used_as_a_context_manager_is_not_started_again() -> None:
     with PgServer().start() as server:
         root = server.root

@@ -3,6 +3,8 @@ used by every session, and a config's own JVM options come after cdc_apply's."""
 
 from __future__ import annotations
 
+import pytest
+
 from cdc_apply.spark.jvm import LOG4J_CONFIG, archive_path, driver_java_options
 from cdc_apply.spark.session import spark_conf
 
@@ -19,6 +21,7 @@ def test_sessions_start_from_the_class_archive_setup_wrote(spark) -> None:  # ty
     assert f"-XX:SharedArchiveFile={archive}" in list(runtime.getInputArguments())
 
 
+@pytest.mark.spark  # the class archive's name is keyed by the JVM that JAVA_HOME names
 def test_configured_java_options_follow_cdc_apply_s_and_can_turn_the_archive_off() -> None:
     mine = spark_conf({"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"})["spark.driver.extraJavaOptions"]
     assert mine.startswith("-Dlog4j2.configurationFile=") and mine.endswith(" -XX:TieredStopAtLevel=1")
