@@ -56,7 +56,7 @@ def _prepare(conn: psycopg.Connection, config: Config, health: HealthMonitor | N
     """Check the source, create what the config asks for, check the slot's health (with the runner's
     own monitor when it keeps one, so its metrics see this first check), and choose the protocol options.
     ``new_slot``: a missing slot may be created though the targets hold changes (``resync --all``)."""
-    check_source(conn, config.source, _has_configured_keys(config))
+    check_source(conn, config.source, _has_configured_keys(config), copies=config.snapshot.enabled)
     if not new_slot:
         _refuse_a_slot_that_would_skip_changes(conn, config)
     ensure_publication_and_slot(conn, config.source)

@@ -38,20 +38,38 @@ def protocol_options(source: SourceConfig, version_num: int) -> PgOutputOptions:
 
 
 def check_source(conn: psycopg.Connection, source: SourceConfig,
-                 has_configured_keys: Callable[[str, str], bool]) -> None:
+                 has_configured_keys: Callable[[str, str], bool], *, copies: bool = True) -> None:
+    """Everything the source needs (docs/getting-started.md, "What the source needs"), each problem
+    with its fix: the server's settings, the role's REPLICATION attribute, a replication connection
+    that pg_hba.conf lets through, the publications (or the rights to create them), and, when the
+    pipeline ``copies`` tables (``snapshot.enabled``), SELECT on every published table."""
     problems = []
     settings = dict(conn.execute(
-        "SELECT name, setting FROM pg_settings WHERE name IN ('wal_level', 'max_replication_slots')").fetchall())
+        "SELECT name, setting FROM pg_settings WHERE name IN ('wal_level', 'max_replication_slots', "
+        "'max_wal_senders')").fetchall())
     if settings.get("wal_level") != "logical":
         problems.append(f"wal_level is {settings.get('wal_level')!r}; logical replication needs "
                         "wal_level = logical (ALTER SYSTEM SET wal_level = logical, then restart)")
     if int(settings.get("max_replication_slots", 0)) < 1:
-        problems.append("max_replication_slots is 0; set it to at least 1")
+        problems.append("max_replication_slots is 0; set it to at least 1 (then restart)")
+    if int(settings.get("max_wal_senders", 0)) < 1:
+        problems.append("max_wal_senders is 0; the stream and the initial copy use a replication connection: "
+                        "set it to at least 2 (then restart)")
+    user, superuser, replication = conn.execute(
+        "SELECT rolname, rolsuper, rolreplication FROM pg_roles WHERE rolname = current_user").fetchone()  # type: ignore[misc]
+    if not (superuser or replication):
+        problems.append(f"role {user!r} lacks the REPLICATION attribute; as a superuser: "
+                        f"ALTER ROLE {sql.Identifier(user).as_string(conn)} WITH REPLICATION")
+    elif int(settings.get("max_wal_senders", 0)) >= 1:
+        problems += _replication_connection_problems(source, user)
     missing = missing_publications(conn, source.publications)
     if missing and not source.create_publication:
         problems += [f"publication {name!r} does not exist; create it or set source.create_publication: true"
                      for name in missing]
+    elif missing:
+        problems += _publication_creation_problems(conn, source, user, superuser)
     if not missing:
+        problems += _unreadable_tables(conn, source, user) if copies else []
         for schema, table, identity, has_key in conn.execute(
                 "SELECT DISTINCT n.nspname, c.relname, c.relreplident, "
                 "EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND (i.indisprimary OR i.indisreplident)) "
@@ -65,6 +83,44 @@ def check_source(conn: psycopg.Connection, source: SourceConfig,
                          schema, table)
     if problems:
         raise PreflightError("the source is not ready for logical replication:\n  - " + "\n  - ".join(problems))
+
+
+def _replication_connection_problems(source: SourceConfig, user: str) -> list[str]:
+    """A replication connection opened and closed. A logical one is matched in pg_hba.conf by its
+    database like any other (the ``replication`` keyword there is for physical replication only), so
+    what refuses it here is the walsenders: all ``max_wal_senders`` of them in use, say."""
+    try:
+        with psycopg.connect(source.conninfo(), autocommit=True, replication="database", connect_timeout=10):
+            return []
+    except psycopg.OperationalError as exc:
+        reason = " ".join(str(exc).split())[:300]
+        return [f"a replication connection as {user!r} is refused ({reason}); when every walsender is in use, "
+                "raise max_wal_senders (then restart) or stop what holds them (pg_stat_replication)"]
+
+
+def _publication_creation_problems(conn: psycopg.Connection, source: SourceConfig, user: str,
+                                   superuser: bool) -> list[str]:
+    """``create_publication`` needs CREATE on the database, and FOR ALL TABLES a superuser; FOR TABLE
+    needs the tables' ownership, which PostgreSQL checks when it creates the publication."""
+    problems = []
+    if not conn.execute("SELECT has_database_privilege(current_database(), 'CREATE')").fetchone()[0]:  # type: ignore[index]
+        problems.append(f"role {user!r} may not create a publication (source.create_publication): as the "
+                        f"database's owner, GRANT CREATE ON DATABASE {sql.Identifier(conn.info.dbname).as_string(conn)} "
+                        f"TO {sql.Identifier(user).as_string(conn)}, or create it yourself")
+    if not source.publication_tables and not superuser:
+        problems.append(f"a publication FOR ALL TABLES needs a superuser, and role {user!r} is not one: list the "
+                        "tables in source.publication_tables, or create the publication as a superuser")
+    return problems
+
+
+def _unreadable_tables(conn: psycopg.Connection, source: SourceConfig, user: str) -> list[str]:
+    """The initial copy reads each published table with SELECT."""
+    return [f"role {user!r} cannot SELECT {schema}.{table}, which the initial copy reads: "
+            f"GRANT SELECT ON {sql.Identifier(schema, table).as_string(conn)} TO {sql.Identifier(user).as_string(conn)}"
+            for schema, table in conn.execute(
+                "SELECT DISTINCT schemaname, tablename FROM pg_publication_tables WHERE pubname = ANY(%s) AND NOT "
+                "has_table_privilege(format('%%I.%%I', schemaname, tablename), 'SELECT') ORDER BY 1, 2",
+                (list(source.publications),)).fetchall()]
 
 
 def ensure_publication_and_slot(conn: psycopg.Connection, source: SourceConfig) -> bool:

@@ -183,7 +183,7 @@ class PgOutputStreamReader(DataSourceStreamReader):
 
     def initialOffset(self) -> dict:
         with self._connect() as conn:
-            check_source(conn, self.options.source, lambda schema, table: False)
+            check_source(conn, self.options.source, lambda schema, table: False, copies=False)
             ensure_publication_and_slot(conn, self.options.source)
             return {"lsn": format_lsn(confirmed_flush(conn, self.options.source.slot))}
 
