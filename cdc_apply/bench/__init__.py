@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def run_bench(name: str, args: argparse.Namespace) -> int:
@@ -50,6 +51,9 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     if name == "restart":
         from cdc_apply.bench.restart import bench_restart
 
+        if args.mode not in ("follow", "stream"):
+            print(f"bench restart: --mode is follow or stream, not {args.mode}", file=sys.stderr)
+            return 2
         bench_restart(rounds=args.rounds, mode=args.mode)
         return 0
     if name == "crash":

@@ -54,6 +54,7 @@ SLOT = "crash"
 PIPELINE = "crash"
 READY = {"follow": "streaming slot", "stream": "cdc_apply.stream_job: streaming query"}
 FIRST_BATCH = "cdc_apply.spark.foreach: batch"
+MIN_LOAD_SECONDS = 5.0
 
 
 class Job:
@@ -225,6 +226,7 @@ class CrashDrill:
             conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (SLOT,))
             big_every = 200 if self.mode == "changelog" else 120
             self.load = Load(self.conninfo, sessions=2, rate_per_session=2, big_every=big_every).start()
+            load_started = time.monotonic()
             try:
                 for failpoint in self._failpoints():
                     code = self.job(failpoint=failpoint).wait(timeout=300)
@@ -233,6 +235,8 @@ class CrashDrill:
                     self.failpoint_kills += 1
                     self._check(conn, f"failpoint {failpoint}")
                 self._kill_at_random_points(conn)
+                # A drill with few kills still leaves transactions for the last job to apply.
+                time.sleep(max(0.0, MIN_LOAD_SECONDS - (time.monotonic() - load_started)))
             finally:
                 self.load.finish()
             if after_kills:
