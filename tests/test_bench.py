@@ -43,6 +43,7 @@ def test_bench_apply_reports_merge_against_append(spark, capsys) -> None:  # typ
 
 
 @pytest.mark.spark
+@pytest.mark.pg
 def test_bench_e2e_reports_lag_and_catch_up_with_and_without_the_log(spark, capsys) -> None:  # type: ignore[no-untyped-def]
     bench_e2e(seconds=3, rate=10, capacity_steps=1, changelog=True, spark=spark)
     output = capsys.readouterr().out
@@ -74,6 +75,7 @@ def test_bench_memory_reports_the_peak_rss_of_a_large_streamed_transaction() -> 
 
 
 @pytest.mark.spark
+@pytest.mark.pg
 def test_bench_soak_reports_batch_times_over_time_and_the_files(spark, capsys) -> None:  # type: ignore[no-untyped-def]
     bench_soak(minutes=0.3, rate=10, spark=spark)
     output = capsys.readouterr().out
@@ -86,6 +88,7 @@ def test_bench_soak_reports_batch_times_over_time_and_the_files(spark, capsys) -
 
 
 @pytest.mark.spark
+@pytest.mark.pg
 def test_bench_stream_compares_the_streaming_query_with_follow(spark, capsys) -> None:  # type: ignore[no-untyped-def]
     bench_stream(seconds=3, rate=10, spark=spark)
     output = capsys.readouterr().out
@@ -97,6 +100,7 @@ def test_bench_stream_compares_the_streaming_query_with_follow(spark, capsys) ->
 
 
 @pytest.mark.spark
+@pytest.mark.pg
 def test_bench_snapshot_times_five_copies_of_the_same_rows(spark, capsys) -> None:  # type: ignore[no-untyped-def]
     """In-process, on the shared session: each copy must hold every row (the bench checks the counts)."""
     result = bench_snapshot(rows=3000, spark=spark, snapshot={"range_pages": 16}, changelog=True)  # 3000 rows: 4 ranges

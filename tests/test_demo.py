@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.test_decode_cli import _cli
 
 
+@pytest.mark.spark
+@pytest.mark.pg
 def test_demo_streams_the_workload_into_delta(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     warehouse = tmp_path / "wh"
     demo = _cli("demo", "--warehouse", str(warehouse))

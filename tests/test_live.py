@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import psycopg
+import pytest
 
 from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.config import parse_config
@@ -63,6 +64,7 @@ def test_follow_streams_a_concurrent_workload_into_delta(db18, spark, tmp_path) 
         assert_delta_equals_postgres(spark, conn, warehouse)
 
 
+@pytest.mark.pg
 def test_follow_survives_connection_loss_and_a_server_crash_and_moves_an_idle_slot(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     server = PgServer(bindir=available_bindirs()["pg18"]).start()
     try:

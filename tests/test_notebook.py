@@ -8,6 +8,7 @@ from pathlib import Path
 
 import nbformat
 import pyarrow as pa
+import pytest
 from deltalake import DeltaTable
 from nbclient import NotebookClient
 
@@ -22,6 +23,8 @@ def _text(cell) -> str:  # type: ignore[no-untyped-def]
     return "".join(parts)
 
 
+@pytest.mark.spark
+@pytest.mark.pg
 def test_replay_notebook_executes_and_writes_delta(tmp_path, monkeypatch, spark) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("CDC_APPLY_WAREHOUSE", str(tmp_path))
     monkeypatch.delenv("CDC_APPLY_CAPTURE", raising=False)

@@ -152,6 +152,7 @@ def _write_wal(conn: psycopg.Connection, rows: int) -> None:
     conn.execute("INSERT INTO journal SELECT -1, g, repeat('w', 50) FROM generate_series(1::int, %s::int) g", (rows,))
 
 
+@pytest.mark.pg
 def test_slot_problems_stop_or_warn_naming_the_recovery(spark, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     caplog.set_level(logging.WARNING)
     server = PgServer(bindir=available_bindirs()["pg18"], settings={"max_slot_wal_keep_size": "1MB"}).start()

@@ -105,6 +105,7 @@ def test_preflight_names_every_problem(db18, tmp_path) -> None:  # type: ignore[
         replica.stop()
 
 
+@pytest.mark.spark
 def test_capture_status_and_run_verbs(db18, tmp_path) -> None:  # type: ignore[no-untyped-def]
     server, dbname = db18
     with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
@@ -166,6 +167,7 @@ def test_add_column_default_reaches_rows_that_existed_before(db18, spark, tmp_pa
         assert [r for r in got if r[0] not in untouched] == [r for r in truth if r[0] not in untouched]
 
 
+@pytest.mark.spark
 def test_json_logs_are_structured_and_never_show_the_password(db18, tmp_path) -> None:  # type: ignore[no-untyped-def]
     server, dbname = db18
     with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import re
 
 import psycopg
+import pytest
 
 from cdc_apply.sources.capture import write_parquet
 from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
 from tests.test_decode_cli import _cli
 
 
+@pytest.mark.spark
 def test_replay_twice_applies_once_and_names_a_keyless_table(db18, tmp_path) -> None:  # type: ignore[no-untyped-def]
     server, dbname = db18
     with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
