@@ -10,7 +10,6 @@ import re
 import pytest
 
 from cdc_apply.bench.apply import bench_apply
-from cdc_apply.bench.crash import bench_crash
 from cdc_apply.bench.e2e import bench_e2e
 from cdc_apply.bench.restart import bench_restart
 from cdc_apply.bench.snapshot import bench_snapshot
@@ -114,19 +113,6 @@ def test_bench_snapshot_times_five_copies_of_the_same_rows(spark, capsys) -> Non
     assert result["product_over_raw"] > 0 and result["product_over_spark"] > 0 and result["driver_peak_rss_mb"] > 50
     assert result["first_product_over_raw"] > 0 and result["first_product_over_spark"] > 0
     assert result["tasks_over_delta_writer"] > 0 and result["logged_over_tasks"] > 0
-
-
-@pytest.mark.spark
-@pytest.mark.pg
-def test_bench_crash_reports_lost_applied_twice_and_tables_equal(spark, capsys) -> None:  # type: ignore[no-untyped-def]
-    """No random kill (the crash tests make them): the report's lines and the final comparison."""
-    result = bench_crash("changelog", kills=0, seed=1, spark=spark)
-    report = capsys.readouterr().out
-    assert result["committed"] > 0 and result["random_kills"] == result["failpoint_kills"] == 0, report
-    assert result["lost"] == result["applied_twice"] == result["tables_differing"] == 0, report
-    assert re.search(r"kills: 0 at failpoints \+ 0 at random points; [1-9]\d* transactions committed", report), report
-    assert "lost: 0; applied twice (journal rows over PostgreSQL's): 0" in report, report
-    assert "tables equal to PostgreSQL: 4 of 4" in report, report
 
 
 @pytest.mark.spark

@@ -3,6 +3,8 @@ trusted only while the log holds nothing this applier did not write or read."""
 
 from __future__ import annotations
 
+import pytest
+
 from cdc_apply.apply.sessionconf import delta_commit_conf
 from cdc_apply.apply.target_state import TargetStates
 from cdc_apply.apply.targets import Target, _scala_map
@@ -68,6 +70,7 @@ def test_snapshot_chunk_is_recognised_by_its_commit_info(spark, tmp_path) -> Non
     assert states.current(target) is not after and states.current(target).log_version == 2
 
 
+@pytest.mark.parametrize("pg_server", ["pg18"], indirect=True)  # Delta's side: one server version is enough
 def test_targets_are_compacted_every_n_commits_and_keep_their_rows(captured, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """``optimize_every_commits``: an OPTIMIZE each time the log version passes a multiple; the rows stay."""
     from cdc_apply.apply.batch import BatchApplier
@@ -198,6 +201,7 @@ def test_an_append_at_a_known_version_records_it_without_rebuilding_the_table_st
     assert target.committed_versions() == {"pipe/1": 9}
 
 
+@pytest.mark.parametrize("pg_server", ["pg18"], indirect=True)  # Delta's side: one server version is enough
 def test_targets_checkpoint_every_50_commits_unless_configured(captured, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """A new target gets ``delta.checkpointInterval = 50`` from cdc_apply's Spark defaults (Delta's own,
     10, makes every tenth small batch pay a checkpoint); ``target.properties`` and the session's conf

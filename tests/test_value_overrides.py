@@ -66,7 +66,7 @@ def test_column_type_override_is_validated() -> None:
 
 
 @pytest.mark.spark
-def test_evolve_switches_a_column_to_text_by_itself(any_db, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_evolve_switches_a_column_to_text_by_itself(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Under ``schema_policy: evolve``, NaN in numeric(p,s) and a 2-D array, in the copy and in the stream,
     switch their column to PostgreSQL's text by themselves (the target column rewritten in place,
     recorded in the data commit and the run summary); under the default policy the run stops naming
@@ -74,7 +74,7 @@ def test_evolve_switches_a_column_to_text_by_itself(any_db, spark, tmp_path) -> 
     target holds them."""
     from cdc_apply.replay import print_summary
 
-    server, dbname = any_db
+    server, dbname = db18
     warehouse = str(tmp_path / "wh")
     evolve = once_config(server, dbname, warehouse, "ev", defaults={"schema_policy": "evolve"})
     text = TypeCache().get(25)

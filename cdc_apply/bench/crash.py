@@ -335,9 +335,32 @@ def load_table_differences(spark: SparkSession, conn: psycopg.Connection, wareho
     return differences
 
 
+def report(drill: CrashDrill, spark: SparkSession, conn: psycopg.Connection, seconds: float) -> dict[str, int]:
+    """Prints and returns what a finished drill found: the kills made, the transactions lost and
+    applied twice, the checks after a kill that found the slot past what was durable, and the
+    tables that differ from PostgreSQL."""
+    assert drill.load is not None
+    differences = load_table_differences(spark, conn, drill.warehouse)
+    journal_pg = conn.execute("SELECT count(*) FROM journal").fetchone()[0]  # type: ignore[index]
+    journal_delta = spark.read.format("delta").load(f"{drill.warehouse}/public/journal").count()
+    lost = len(set(drill.load.ledger_lsns) - ledger_seqs(drill.warehouse))
+    result = {"failpoint_kills": drill.failpoint_kills, "random_kills": drill.random_kills,
+              "committed": drill.load.committed, "lost": lost, "applied_twice": max(0, journal_delta - journal_pg),
+              "problems_after_kills": len(drill.problems), "tables_differing": len(differences)}
+    print(f"bench crash --mode {drill.mode} (seed {drill.seed}), {seconds:.0f} s:")
+    print(f"  kills: {drill.failpoint_kills} at failpoints + {drill.random_kills} at random points; "
+          f"{drill.load.committed} transactions committed under the load")
+    print(f"  lost: {lost}; applied twice (journal rows over PostgreSQL's): {result['applied_twice']}")
+    print(f"  slot confirmed past what was durable, after a kill: {len(drill.problems)}")
+    for problem in drill.problems[:10]:
+        print(f"    {problem}")
+    print(f"  tables equal to PostgreSQL: {len(TABLES) - len(differences)} of {len(TABLES)}"
+          + "".join(f"; {name}: {d} rows in Delta, {p} in PostgreSQL" for name, (d, p) in differences.items()))
+    return result
+
+
 def bench_crash(mode: str, kills: int = 20, seed: int = 7, spark: SparkSession | None = None) -> dict[str, int]:
-    """Prints and returns the kills made, the transactions lost and applied twice, and the tables
-    that differ from PostgreSQL."""
+    """The drill on a throwaway server; prints and returns its ``report``."""
     from cdc_apply.pgserver import PgServer
     from cdc_apply.spark.session import session_for
 
@@ -348,21 +371,4 @@ def bench_crash(mode: str, kills: int = 20, seed: int = 7, spark: SparkSession |
               flush=True)
         drill.run()
         with session_for(spark) as spark, psycopg.connect(server.dsn, autocommit=True) as conn:
-            differences = load_table_differences(spark, conn, drill.warehouse)
-            journal_pg = conn.execute("SELECT count(*) FROM journal").fetchone()[0]
-            journal_delta = spark.read.format("delta").load(f"{drill.warehouse}/public/journal").count()
-        assert drill.load is not None
-        lost = len(set(drill.load.ledger_lsns) - ledger_seqs(drill.warehouse))
-    result = {"failpoint_kills": drill.failpoint_kills, "random_kills": drill.random_kills,
-              "committed": drill.load.committed, "lost": lost, "applied_twice": max(0, journal_delta - journal_pg),
-              "problems_after_kills": len(drill.problems), "tables_differing": len(differences)}
-    print(f"bench crash --mode {mode} (seed {seed}), {time.monotonic() - started:.0f} s:")
-    print(f"  kills: {drill.failpoint_kills} at failpoints + {drill.random_kills} at random points; "
-          f"{drill.load.committed} transactions committed under the load")
-    print(f"  lost: {lost}; applied twice (journal rows over PostgreSQL's): {result['applied_twice']}")
-    print(f"  slot confirmed past what was durable, after a kill: {len(drill.problems)}")
-    for problem in drill.problems[:10]:
-        print(f"    {problem}")
-    print(f"  tables equal to PostgreSQL: {len(TABLES) - len(differences)} of {len(TABLES)}"
-          + "".join(f"; {name}: {d} rows in Delta, {p} in PostgreSQL" for name, (d, p) in differences.items()))
-    return result
+            return report(drill, spark, conn, time.monotonic() - started)
