@@ -195,6 +195,7 @@ class CrashDrill:
     failpoint_kills: int = 0
     random_kills: int = 0
     load: Load | None = None
+    progress: Callable[[str], None] | None = None  # told of each kill (the bench prints it)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -234,6 +235,7 @@ class CrashDrill:
                         raise DrillFailed(f"failpoint {failpoint}: exit {code}\n{self.log.read_text()[-3000:]}")
                     self.failpoint_kills += 1
                     self._check(conn, f"failpoint {failpoint}")
+                    self._tell(f"killed at failpoint {failpoint}; {len(self.problems)} problem(s) so far")
                 self._kill_at_random_points(conn)
                 # A drill with few kills still leaves transactions for the last job to apply.
                 time.sleep(max(0.0, MIN_LOAD_SECONDS - (time.monotonic() - load_started)))
@@ -242,6 +244,10 @@ class CrashDrill:
             if after_kills:
                 after_kills()
             self._catch_up(conn)
+
+    def _tell(self, what: str) -> None:
+        if self.progress is not None:
+            self.progress(what)
 
     def _failpoints(self) -> tuple[str, ...]:
         return {"follow": STAGES, "stream": ("between_tables",), "changelog": ()}[self.mode]
@@ -257,12 +263,15 @@ class CrashDrill:
             if not job.streaming.wait(timeout=180):
                 job.process.kill()
                 raise DrillFailed(f"kill {kill + 1}: the job did not stream within 180 s\n{job.tail()}")
-            time.sleep(rng.uniform(0, self.window(kill)))
+            delay = rng.uniform(0, self.window(kill))
+            time.sleep(delay)
             job.process.send_signal(signal.SIGKILL)
             if job.wait(timeout=60) != -signal.SIGKILL:
                 raise DrillFailed(f"kill {kill + 1}: the job had ended before it was killed\n{job.tail()}")
             self.random_kills += 1
             self._check(conn, f"random kill {kill + 1}")
+            self._tell(f"random kill {kill + 1}/{self.kills}: {delay:.1f} s after the job was ready; "
+                       f"{len(self.problems)} problem(s) so far")
 
     def _catch_up(self, conn: psycopg.Connection) -> None:
         job = self.job(kill=1)
@@ -366,7 +375,8 @@ def bench_crash(mode: str, kills: int = 20, seed: int = 7, spark: SparkSession |
 
     started = time.monotonic()
     with PgServer() as server, tempfile.TemporaryDirectory(prefix="cdc_apply_crash_") as directory:
-        drill = CrashDrill(mode, server.dsn, Path(directory), kills=kills, seed=seed)
+        drill = CrashDrill(mode, server.dsn, Path(directory), kills=kills, seed=seed,
+                           progress=lambda what: print(f"  {what}", flush=True))
         print(f"bench crash --mode {mode}: {kills} random kills (seed {seed}) under 2 sessions x 2 tx/s ...",
               flush=True)
         drill.run()
