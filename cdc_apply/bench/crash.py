@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from cdc_apply.bench.load import TABLES, Load, create_schema
+from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import parse_lsn
 from cdc_apply.sources.slot import wait_until_caught_up
 
@@ -89,11 +90,19 @@ class Job:
         self.reader.join(timeout=10)
         return code
 
+    def wait_until_ready(self, timeout: float) -> bool:
+        """True once the ready line came; False after ``timeout`` or as soon as the process ended."""
+        deadline = time.monotonic() + timeout
+        while not self.streaming.wait(timeout=0.2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                return self.streaming.is_set()
+        return True
+
     def tail(self) -> str:
         return self.log.read_text()[-3000:]
 
 
-class DrillFailed(RuntimeError):
+class DrillFailed(CdcApplyError):
     """A job did not do what the drill needs (exit, stream, catch up) in time; the message holds the
     end of the jobs' log."""
 
@@ -260,9 +269,10 @@ class CrashDrill:
         rng = random.Random(self.seed)
         for kill in range(self.kills):
             job = self.job(kill)
-            if not job.streaming.wait(timeout=180):
+            if not job.wait_until_ready(timeout=180):
                 job.process.kill()
-                raise DrillFailed(f"kill {kill + 1}: the job did not stream within 180 s\n{job.tail()}")
+                raise DrillFailed(f"kill {kill + 1}: the job did not stream within 180 s (exit "
+                                  f"{job.process.poll()})\n{job.tail()}")
             delay = rng.uniform(0, self.window(kill))
             time.sleep(delay)
             job.process.send_signal(signal.SIGKILL)
@@ -276,8 +286,8 @@ class CrashDrill:
     def _catch_up(self, conn: psycopg.Connection) -> None:
         job = self.job(kill=1)
         try:
-            if not job.streaming.wait(timeout=180):
-                raise DrillFailed(f"the last job did not stream within 180 s\n{job.tail()}")
+            if not job.wait_until_ready(timeout=180):
+                raise DrillFailed(f"the last job did not stream within 180 s (exit {job.process.poll()})\n{job.tail()}")
             if self.mode == "stream":
                 # The query confirms its slot at an offset commit, and an idle one only a WAL segment
                 # at a time: the targets holding every committed transaction is the end to wait for.
