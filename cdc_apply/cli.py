@@ -40,6 +40,8 @@ def _spark_session(config: Config, *, importing: Sequence[str] = ()) -> SparkSes
     import importlib
     from concurrent.futures import ThreadPoolExecutor
 
+    import pyspark.sql  # noqa: F401 - imported whole first, so the two threads never import pyspark at once
+
     from cdc_apply.spark import build_spark_session
 
     with ThreadPoolExecutor(1, thread_name_prefix="cdc-apply-imports") as pool:
