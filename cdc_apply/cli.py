@@ -31,25 +31,12 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
 
-def _spark_session(config: Config, *, importing: Sequence[str] = ()) -> SparkSession:
+def _spark_session(config: Config) -> SparkSession:
     """The verbs' session. None reads ``format("pgoutput")`` but `stream`, which registers it itself:
-    registering it here would cost each job's start a Python worker (``build_spark_session``).
-
-    ``importing``: the verb's own modules, imported on another thread while this one waits for the
-    JVM to start (about half a second of a restart; `cdc-apply bench restart`)."""
-    import importlib
-    from concurrent.futures import ThreadPoolExecutor
-
-    import pyspark.sql  # noqa: F401 - imported whole first, so the two threads never import pyspark at once
-
+    registering it here would cost each job's start a Python worker (``build_spark_session``)."""
     from cdc_apply.spark import build_spark_session
 
-    with ThreadPoolExecutor(1, thread_name_prefix="cdc-apply-imports") as pool:
-        imported = [pool.submit(importlib.import_module, name) for name in importing]
-        spark = build_spark_session(config.spark, register_pgoutput=False)
-        for module in imported:
-            module.result()
-    return spark
+    return build_spark_session(config.spark, register_pgoutput=False)
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
@@ -165,21 +152,18 @@ def _cmd_trim_changelog(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from cdc_apply.config import load_config
+    from cdc_apply.pipeline import drain
     from cdc_apply.runtime import StopFlag
-
-    config = load_config(args.config)
-    spark = _spark_session(config, importing=("cdc_apply.live" if args.follow else "cdc_apply.pipeline",
-                                              "cdc_apply.replay"))
     from cdc_apply.replay import print_summary
 
+    config = load_config(args.config)
+    spark = _spark_session(config)
     with StopFlag().on_signals() as stop:
         if args.follow:
             from cdc_apply.live import follow
 
             summary = follow(config, spark, stop)
         else:
-            from cdc_apply.pipeline import drain
-
             summary = drain(config, spark, stop=stop)
     for copied in summary.snapshots:
         print(f"snapshot {copied.table}: {copied.rows} rows at {format_lsn(copied.consistent_lsn)} "
@@ -196,11 +180,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_stream(args: argparse.Namespace) -> int:
     from cdc_apply.config import load_config
     from cdc_apply.runtime import StopFlag
-
-    config = load_config(args.config)
-    spark = _spark_session(config, importing=("cdc_apply.stream_job",))
     from cdc_apply.stream_job import offset_lsn, run_stream
 
+    config = load_config(args.config)
+    spark = _spark_session(config)
     with StopFlag().on_signals() as stop:
         batches = run_stream(config, spark, stop)
     for progress in batches:
