@@ -139,11 +139,16 @@ def _delta_rs(path: Path, columns: list[str]) -> pa.Table | None:
 
     try:
         from deltalake import DeltaTable
+        from deltalake.exceptions import TableNotFoundError
     except ImportError as exc:
         raise SystemExit("bench crash reads Delta with delta-rs: pip install 'cdc_apply[bench]'") from exc
     if not (path / "_delta_log").exists():
         return None
-    return pa.RecordBatchReader.from_stream(DeltaTable(str(path)).scan(columns=columns)).read_all()
+    try:
+        table = DeltaTable(str(path))
+    except TableNotFoundError:  # the log's directory made, its first commit not yet
+        return None
+    return pa.RecordBatchReader.from_stream(table.scan(columns=columns)).read_all()
 
 
 def ledger_seqs(warehouse: str) -> set[int]:
@@ -228,9 +233,9 @@ class CrashDrill:
             return 4.0 if kill % 2 else 25.0
         return 6.0
 
-    def run(self, after_kills: Callable[[], None] | None = None) -> None:
+    def run(self) -> None:
         """Create the load's schema and the slot, run the kills under the load, then one job until it
-        has caught up. ``after_kills`` runs between the load's end and the last job."""
+        has caught up."""
         with psycopg.connect(self.conninfo, autocommit=True) as conn:
             create_schema(conn, "load")
             conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (SLOT,))
@@ -250,8 +255,6 @@ class CrashDrill:
                 time.sleep(max(0.0, MIN_LOAD_SECONDS - (time.monotonic() - load_started)))
             finally:
                 self.load.finish()
-            if after_kills:
-                after_kills()
             self._catch_up(conn)
 
     def _tell(self, what: str) -> None:
@@ -270,9 +273,9 @@ class CrashDrill:
         for kill in range(self.kills):
             job = self.job(kill)
             if not job.wait_until_ready(timeout=180):
+                code = job.process.poll()
                 job.process.kill()
-                raise DrillFailed(f"kill {kill + 1}: the job did not stream within 180 s (exit "
-                                  f"{job.process.poll()})\n{job.tail()}")
+                raise DrillFailed(f"kill {kill + 1}: the job did not stream within 180 s (exit {code})\n{job.tail()}")
             delay = rng.uniform(0, self.window(kill))
             time.sleep(delay)
             job.process.send_signal(signal.SIGKILL)
