@@ -45,6 +45,7 @@ def _synced_up_to(standby: PgServer, primary: PgServer, slot: str) -> bool:
 @pytest.mark.spark
 @pytest.mark.timeout(600)
 @pytest.mark.pg
+@pytest.mark.crash
 def test_a_promoted_standby_carries_the_failover_slot_on_exactly_once(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     primary = PgServer(bindir=available_bindirs()["pg18"]).start()
     standby = PgServer(bindir=primary.bindir)
@@ -172,6 +173,7 @@ def test_a_stalled_stream_is_reconnected_within_three_status_intervals(db18, spa
 @pytest.mark.spark
 @pytest.mark.timeout(900)
 @pytest.mark.pg
+@pytest.mark.crash
 def test_three_failovers_in_a_row_under_load_lose_nothing_and_apply_nothing_twice(spark, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """`run --follow` through a kill -9 of the primary, a crash and a planned switchover, a load
     running through each; after each the old primary is rebuilt as the new standby from a base

@@ -124,6 +124,7 @@ def test_inserts_are_appended_in_pieces_in_one_commit_and_the_rest_takes_the_who
     assert {name: len(_history(spark, f"{warehouse}/public/{name}")) for name in versions} == versions
 
 
+@pytest.mark.crash
 def test_a_crash_between_pieces_leaves_no_part_of_the_transaction(workload, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     capture, truth, types, _ = workload
     warehouse = tmp_path / "wh"

@@ -227,6 +227,7 @@ def _write_config(path: Path, config: Config) -> str:
     return str(path)
 
 
+@pytest.mark.crash
 def test_resync_under_load_and_after_a_kill_ends_equal(load_db, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     conninfo, warehouse, conn = load_db
     config = _ops_config(conninfo, warehouse, {"range_pages": 1, "ranges_per_commit": 1})  # a commit per page

@@ -10,6 +10,7 @@ import signal
 import time
 
 import psycopg
+import pytest
 
 from cdc_apply.apply.targets import Target
 from cdc_apply.bench.load import TABLES, Load, create_schema
@@ -76,6 +77,7 @@ def test_snapshot_under_writes_then_stream_and_a_table_added_later(db18, spark, 
         assert not drain(config, spark).snapshots
 
 
+@pytest.mark.crash
 def test_a_parallel_copy_killed_half_way_resumes_where_it_stopped(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Spark's tasks copy 20-page ranges, one commit each; a kill -9 after two commits; the rerun copies
     the other ranges from a new snapshot, merged by key, and the changes made in between (to rows
@@ -85,6 +87,7 @@ def test_a_parallel_copy_killed_half_way_resumes_where_it_stopped(db18, spark, t
                          "after range [0, 40]", rerun={"method": "spark", "range_pages": 20})
 
 
+@pytest.mark.crash
 def test_a_driver_copy_killed_half_way_resumes_after_its_last_key(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """snapshot.method driver: one COPY in key order, 5,000-row commits; the rerun resumes after the last key."""
     _killed_copy_resumes(db18, spark, tmp_path, {"method": "driver", "chunk_rows": 5000},
