@@ -12,9 +12,9 @@ from cdc_apply.sources.capture import read_capture, write_jsonl, write_parquet
 from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cdc_apply.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
 def test_decode_prints_messages_and_change_rows_from_both_formats(db18, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import psycopg
 import pytest
@@ -16,13 +14,9 @@ import pytest
 from cdc_apply.pgserver import PgServer, available_bindirs
 from tests.delta_oracle import delta_rows, source_types
 from tests.reference_apply import postgres_rows
+from tests.test_decode_cli import _cli
 
 TABLES = {"public.orders": ["id", "customer", "total", "placed"], "public.customers": ["id", "name", "country"]}
-
-
-def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cdc_apply.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env)
 
 
 @pytest.mark.spark
