@@ -26,8 +26,8 @@ import pickle
 import struct
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, overload
 
@@ -40,6 +40,7 @@ from cdc_apply.sources.raw import RawMessage
 log = logging.getLogger(__name__)
 
 DEFAULT_SPILL_BYTES = 64 * 1024 * 1024
+TypeFactsLookup = Callable[[int], "str | None"]  # type OID -> the source catalog's facts (pgtypes/user.py)
 SPILL_RECORD_BYTES = 4 * 1024 * 1024  # changes per pickle in a spill file: what a reader unpickles at once
 # What a change costs in memory besides its message bytes (measured: about 230 bytes for a Delete).
 # Budgets and pieces count it, so that a transaction of small messages (a mass DELETE: about 30 bytes
@@ -303,8 +304,12 @@ class Assembler:
     """
 
     def __init__(self, *, spill_bytes: int = DEFAULT_SPILL_BYTES, spill_dir: str | Path | None = None,
-                 skip_origins: Iterable[str] = (), in_stream: bool = False) -> None:
+                 skip_origins: Iterable[str] = (), in_stream: bool = False,
+                 type_facts: TypeFactsLookup | None = None) -> None:
+        """``type_facts``: the live source catalog's facts about a type OID a Type message names (JSON,
+        ``pgtypes/user.py``); a capture's row carries them instead (``RawMessage.type_facts``)."""
         self.decoder = PgOutputDecoder(in_stream)
+        self.type_facts = type_facts
         self.relations: dict[int, m.Relation] = {}
         self.types: dict[int, m.Type] = {}
         self.spill_bytes = spill_bytes
@@ -491,6 +496,11 @@ class Assembler:
         return []
 
     def _on_type(self, msg: m.Type, raw: RawMessage) -> list[Event]:
+        # Looked up again at every Type message: pgoutput sends one before each Relation message of a
+        # table using the type, so a changed type is read afresh with the Relation that follows it.
+        facts = raw.type_facts or (self.type_facts(msg.oid) if self.type_facts is not None else None)
+        if facts is not None:
+            msg = replace(msg, facts=facts)
         self.types[msg.oid] = msg
         txn = self._stream_or_current()
         if txn is not None:

@@ -140,7 +140,8 @@ class LiveReplicator:
         self.previous_reader = (stream.conn.info.host, stream.conn.info.port, stream.conn.info.backend_pid)
         core = ReplicationCore(self.sink, lambda lsn: self._confirm(stream, lsn),
                                cut=BatchCut(batching.max_changes, batching.max_seconds), confirmed=self.confirmed,
-                               spill_bytes=batching.spill_bytes, skip_origins=source.skip_origins)
+                               spill_bytes=batching.spill_bytes, skip_origins=source.skip_origins,
+                               type_facts=SourceCatalog(source.conninfo()).type_facts)
         writer = ThreadPoolExecutor(1, thread_name_prefix="cdc-apply-writer")
         progressed = False
         try:

@@ -32,7 +32,7 @@ from cdc_apply.replication import ReplicationCore
 from cdc_apply.runtime import StopFlag
 from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.snapshot import Snapshotter
-from cdc_apply.sources.catalog import SourceCatalog
+from cdc_apply.sources.catalog import SourceCatalog, read_type_facts
 from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sources.preflight import PreflightError, check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.sources.slot import (
@@ -123,7 +123,8 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
         while stop is None or not stop.event.is_set():
             summary.rounds += 1
             with ReplicationCore(sink, advance, confirmed=confirmed_flush(conn, source.slot),
-                                 spill_bytes=config.batching.spill_bytes, skip_origins=source.skip_origins) as core:
+                                 spill_bytes=config.batching.spill_bytes, skip_origins=source.skip_origins,
+                                 type_facts=SourceCatalog(source.conninfo()).type_facts) as core:
                 raws = list(read_changes(conn, source.slot, options, upto_lsn=upto, upto_nchanges=limit))
                 if not raws:
                     core.advance_idle(upto)  # nothing published up to the start position: the rest is others' WAL
@@ -156,13 +157,14 @@ def capture(config: Config, out: str, *, consume: bool = False) -> tuple[int, st
     import json
     from pathlib import Path
 
-    from cdc_apply.sources.capture import PARQUET_SUFFIXES, write_jsonl, write_parquet
+    from cdc_apply.sources.capture import PARQUET_SUFFIXES, with_type_facts, write_jsonl, write_parquet
 
     source = config.source
     with psycopg.connect(source.conninfo(), autocommit=True) as conn:
         options = _prepare(conn, config)
         version = server_version_num(conn)
-        raws = list(read_changes(conn, source.slot, options, upto_lsn=current_wal_lsn(conn)))
+        raws = list(with_type_facts(read_changes(conn, source.slot, options, upto_lsn=current_wal_lsn(conn)),
+                                    lambda oid: read_type_facts(conn, oid)))
         path = Path(out)
         writer = write_parquet if path.suffix.lower() in PARQUET_SUFFIXES else write_jsonl
         count = writer(path, raws)

@@ -43,7 +43,7 @@ from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from typing import Protocol
 
-from cdc_apply.assemble import DEFAULT_SPILL_BYTES, Assembler, Transaction
+from cdc_apply.assemble import DEFAULT_SPILL_BYTES, Assembler, Transaction, TypeFactsLookup
 from cdc_apply.failpoints import failpoint
 from cdc_apply.sources.raw import RawMessage
 
@@ -70,16 +70,18 @@ class BatchCut:
 class ReplicationCore:
     def __init__(self, sink: Sink | None, confirm: Confirm | None = None, *, cut: BatchCut = BatchCut(),
                  confirmed: int = 0, spill_bytes: int | None = None, skip_origins: Iterable[str] = (),
-                 idle_advance_bytes: int = 0) -> None:
+                 idle_advance_bytes: int = 0, type_facts: TypeFactsLookup | None = None) -> None:
         """``sink=None``: the caller takes the transactions (``take``) and writes them itself
         (Spark's micro-batches). ``confirm=None``: nothing to confirm (files). ``confirmed``: the
-        position the source is already confirmed to."""
+        position the source is already confirmed to. ``type_facts``: the live source's catalog lookup
+        for the types Type messages name (``Assembler``)."""
         self.sink = sink
         self._confirm = confirm
         self.cut = cut
         self.confirmed = confirmed
         self.idle_advance_bytes = idle_advance_bytes
-        self.assembler = Assembler(spill_bytes=spill_bytes or DEFAULT_SPILL_BYTES, skip_origins=skip_origins)
+        self.assembler = Assembler(spill_bytes=spill_bytes or DEFAULT_SPILL_BYTES, skip_origins=skip_origins,
+                                   type_facts=type_facts)
         self.pending: list[Transaction] = []
         self.pending_changes = 0
         self._pending_since = 0.0

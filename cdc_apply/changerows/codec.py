@@ -121,7 +121,7 @@ class PortableCodec:
 
     relation: m.Relation
     text_columns: frozenset[str]
-    custom_types: Mapping[int, tuple[str, str]]
+    custom_types: Mapping[int, tuple[str, str, str | None]]
 
     def build(self) -> RelationCodec:
         return RelationCodec.build(self.relation, portable_type_cache(self.text_columns, self.custom_types))

@@ -117,7 +117,7 @@ class ChangeRowBuilder:
 
         for txn in transactions:
             for type_message in txn.types:
-                self.types.add(type_message.oid, type_message.namespace, type_message.name)
+                self.types.add(type_message.oid, type_message.namespace, type_message.name, type_message.facts)
             changes = txn.changes
             if not changes:
                 continue

@@ -106,6 +106,9 @@ class Type(Message):
     oid: int
     namespace: str
     name: str
+    # Not on the wire: the source catalog's facts about the type (JSON, cdc_apply/pgtypes/user.py),
+    # attached by the assembler from the live catalog or the capture's row; binary mode needs them.
+    facts: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

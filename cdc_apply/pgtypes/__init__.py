@@ -2,7 +2,8 @@
 
 Usage: ``TypeCache().for_column(schema, table, column, oid)`` gives the column's ``PgType``: its
 ``spark_type(typmod)``, ``from_text(text, typmod)`` and ``from_binary(raw, typmod)``. Types named
-only by a Type message (enums, domains, ...) are added with ``TypeCache.add``.
+only by a Type message (enums, domains, ...) are added with ``TypeCache.add``, with the catalog's
+facts about them where known (``pgtypes/user.py``), which binary mode needs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from cdc_apply.pgtypes.registry import (
 )
 from cdc_apply.pgtypes.exact_text import exact_text_type
 from cdc_apply.pgtypes.text import custom_type
+from cdc_apply.pgtypes.user import parse_facts, user_type
 
 register_range_types()
 register_array_types()
@@ -34,7 +36,8 @@ class TypeCache:
 
     def __init__(self, column_types: ColumnTypeOverride | None = None) -> None:
         self.custom: dict[int, PgType] = {}
-        self.named: dict[int, tuple[str, str]] = {}  # what ``add`` was given: a copy of the cache in another process
+        # what ``add`` was given, (namespace, name, facts): a copy of the cache in another process
+        self.named: dict[int, tuple[str, str, str | None]] = {}
         self.column_types = column_types
 
     def for_column(self, namespace: str, table: str, name: str, type_oid: int) -> PgType:
@@ -44,10 +47,15 @@ class TypeCache:
             return exact_text_type(pg_type)
         return pg_type
 
-    def add(self, oid: int, namespace: str, name: str) -> PgType:
+    def add(self, oid: int, namespace: str, name: str, facts: str | None = None) -> PgType:
+        """``facts``: the catalog's facts about the type (``pgtypes.user.facts_json``), None when not known
+        (a capture recorded without them): then only an enum's binary value can be read."""
         qualified = f"{namespace}.{name}" if namespace else name
-        self.named[oid] = (namespace, name)
-        if name.startswith("_"):  # PostgreSQL names an array type after its element with a '_'
+        self.named[oid] = (namespace, name, facts)
+        known = None if facts is None else user_type(oid, qualified, parse_facts(facts))
+        if known is not None:
+            pg_type = known
+        elif name.startswith("_"):  # PostgreSQL names an array type after its element with a '_'
             pg_type = array_type(oid, custom_type(0, f"{namespace}.{name[1:]}"))
         else:
             pg_type = custom_type(oid, qualified)
@@ -62,12 +70,13 @@ class TypeCache:
         return pg_type
 
 
-def portable_type_cache(text_columns: frozenset[str], custom_types: Mapping[int, tuple[str, str]]) -> TypeCache:
+def portable_type_cache(text_columns: frozenset[str],
+                        custom_types: Mapping[int, tuple[str, str, str | None]]) -> TypeCache:
     """A copy of one table's type cache in a Spark task (a cache holds converters that do not pickle):
     the columns converted as PostgreSQL's exact text, and the custom types (``TypeCache.named``)."""
     types = TypeCache(column_types=lambda _schema, _table, name: "string" if name in text_columns else None)
-    for oid, (namespace, name) in custom_types.items():
-        types.add(oid, namespace, name)
+    for oid, (namespace, name, facts) in custom_types.items():
+        types.add(oid, namespace, name, facts)
     return types
 
 

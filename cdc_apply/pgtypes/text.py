@@ -89,11 +89,13 @@ register(PgType(2950, "uuid", fixed("string"), _uuid_text, _uuid_binary, array_o
 
 
 def custom_from_binary(raw: bytes, typmod: int) -> str:
-    """A non-built-in type in binary mode: enums send their label; anything else cannot be read blind."""
+    """A non-built-in type in binary mode without the catalog's facts about it (a capture recorded
+    before they were kept): an enum sends its label; anything else cannot be read blind."""
     if b"\x00" in raw:
         raise ValueConversionError(
-            "binary value of a custom (non-built-in) type is not an enum label; "
-            "use the publication in text mode (binary=false) for this column")
+            "binary value of a custom (non-built-in) type is not an enum label, and the capture holds no catalog "
+            "facts about the type: capture again with cdc-apply capture (which records them), or use the "
+            "publication in text mode (binary=false)")
     return _utf8(raw, typmod)
 
 

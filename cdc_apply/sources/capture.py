@@ -1,15 +1,18 @@
-"""Capture files (README, "Capture files"): JSON Lines or Parquet with columns lsn (X/Y), xid, data (hex / binary)."""
+"""Capture files (README, "Capture files"): JSON Lines or Parquet with columns lsn (X/Y), xid, data (hex / binary),
+and type_facts (text, on a Type message's row only: the catalog's facts binary mode needs, pgtypes/user.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from cdc_apply.errors import CaptureError
 from cdc_apply.lsn import format_lsn, parse_lsn
+from cdc_apply.pgoutput.decoder import PgOutputDecoder
+from cdc_apply.pgoutput.messages import Type
 from cdc_apply.sources.raw import RawMessage
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -49,6 +52,13 @@ def _xid(value: object) -> int | None:
     return value
 
 
+def _type_facts(value: object) -> str | None:
+    """A capture's type facts: null or text (parsed, and checked, where a Type message uses them)."""
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"type_facts must be text or null, got {type(value).__name__}")
+    return value
+
+
 def _read_jsonl(path: Path) -> Iterator[RawMessage]:
     try:
         handle = open(path, "rb")
@@ -71,9 +81,10 @@ def _read_jsonl(path: Path) -> Iterator[RawMessage]:
                 lsn = parse_lsn(row["lsn"])
                 data = bytes.fromhex(row["data"])
                 xid = _xid(row.get("xid"))
+                facts = _type_facts(row.get("type_facts"))
             except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
                 raise CaptureError(f"{place}: not a capture line ({type(exc).__name__}: {str(exc)[:200]})") from None
-            yield RawMessage(lsn, xid, data, place)
+            yield RawMessage(lsn, xid, data, place, facts)
 
 
 def _read_parquet(path: Path) -> Iterator[RawMessage]:
@@ -96,9 +107,16 @@ def _read_parquet(path: Path) -> Iterator[RawMessage]:
         if not any(check(kind) for check in checks):
             raise CaptureError(f"{path}: Parquet capture column {column!r} is {kind}; "
                                "expected lsn string, xid bigint, data binary")
+    if "type_facts" in schema.names and not any(check(schema.field("type_facts").type)
+                                                 for check in (pa.types.is_string, pa.types.is_large_string)):
+        raise CaptureError(f"{path}: Parquet capture column 'type_facts' is {schema.field('type_facts').type}; "
+                           "expected string")
+    columns = ["lsn", "xid", "data", *(["type_facts"] if "type_facts" in schema.names else [])]
     row_number = 0
-    for batch in parquet.iter_batches(columns=["lsn", "xid", "data"]):
-        for lsn_text, xid, data in zip(*(batch.column(i).to_pylist() for i in range(3)), strict=True):
+    for batch in parquet.iter_batches(columns=columns):
+        facts_column = batch.column(3).to_pylist() if len(columns) == 4 else [None] * batch.num_rows
+        for lsn_text, xid, data, facts in zip(*(batch.column(i).to_pylist() for i in range(3)), facts_column,
+                                              strict=True):
             row_number += 1
             try:
                 lsn = parse_lsn(lsn_text)
@@ -107,14 +125,29 @@ def _read_parquet(path: Path) -> Iterator[RawMessage]:
                     raise ValueError("data is null")
             except (ValueError, AttributeError, TypeError) as exc:
                 raise CaptureError(f"{path}: row {row_number}: {exc}") from None
-            yield RawMessage(lsn, xid, bytes(data), f"{path}:row {row_number}")
+            yield RawMessage(lsn, xid, bytes(data), f"{path}:row {row_number}", facts)
+
+
+def with_type_facts(messages: Iterable[RawMessage], type_facts: Callable[[int], str | None]) -> Iterator[RawMessage]:
+    """``messages`` with the source catalog's facts on each Type message's row, so that a binary capture
+    decodes offline (docs/types.md, "User-defined types")."""
+    decoder = PgOutputDecoder()
+    for msg in messages:
+        if msg.data[:1] in b"SEY":  # only Stream Start/Stop change where a Type message's fields are
+            decoded = decoder.decode(msg.data)
+            if isinstance(decoded, Type):
+                msg.type_facts = type_facts(decoded.oid)
+        yield msg
 
 
 def write_jsonl(path: str | Path, messages: Iterable[RawMessage]) -> int:
     count = 0
     with open(path, "w", encoding="utf-8") as handle:
         for msg in messages:
-            handle.write(json.dumps({"lsn": format_lsn(msg.lsn), "xid": msg.xid, "data": msg.data.hex()}) + "\n")
+            row = {"lsn": format_lsn(msg.lsn), "xid": msg.xid, "data": msg.data.hex()}
+            if msg.type_facts is not None:
+                row["type_facts"] = msg.type_facts
+            handle.write(json.dumps(row) + "\n")
             count += 1
     _fsync(path)
     return count
@@ -129,6 +162,7 @@ def write_parquet(path: str | Path, messages: Iterable[RawMessage]) -> int:
         "lsn": pa.array([format_lsn(r.lsn) for r in rows], pa.string()),
         "xid": pa.array([r.xid for r in rows], pa.int64()),
         "data": pa.array([r.data for r in rows], pa.binary()),
+        "type_facts": pa.array([r.type_facts for r in rows], pa.string()),
     })
     pq.write_table(table, path)
     _fsync(path)

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import psycopg
 
+from cdc_apply.pgtypes import lookup
+from cdc_apply.pgtypes.user import UserType, facts_json
+
 
 @dataclass(frozen=True)
 class MissingValue:
@@ -35,3 +38,43 @@ class SourceCatalog:
         if row is None:
             return MissingValue(False, None, False)
         return MissingValue(bool(row[0]), row[1], bool(row[2]), bool(row[3]))
+
+    def type_facts(self, type_oid: int) -> str | None:
+        """The facts binary mode needs about a user-defined type and every user-defined type it is made
+        of (a domain's base, a composite's fields, an array's element), as ``pgtypes.user.facts_json``;
+        None if the catalog no longer holds the type."""
+        with psycopg.connect(self.conninfo, autocommit=True) as conn:
+            return read_type_facts(conn, type_oid)
+
+
+def read_type_facts(conn: psycopg.Connection, type_oid: int) -> str | None:
+    found: dict[int, UserType] = {}
+    pending = [type_oid]
+    while pending:
+        oid = pending.pop()
+        if oid in found or (oid != type_oid and (oid == 0 or lookup(oid) is not None)):
+            continue  # built-in types need no facts
+        row = conn.execute(
+            "SELECT n.nspname, t.typname, t.typtype, t.typbasetype, t.typelem, t.typlen, t.typrelid "
+            "FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace WHERE t.oid = %s", (oid,)).fetchone()
+        if row is None:
+            if oid == type_oid:
+                return None
+            continue
+        namespace, name, typtype, base, element, length, relid = row
+        qualified = f"{namespace}.{name}"
+        if typtype == "d":
+            user = UserType(oid, qualified, "domain", base=base)
+        elif typtype == "e":
+            user = UserType(oid, qualified, "enum")
+        elif typtype == "c":
+            fields = conn.execute("SELECT attname, atttypid FROM pg_attribute WHERE attrelid = %s AND attnum > 0 "
+                                  "AND NOT attisdropped ORDER BY attnum", (relid,)).fetchall()
+            user = UserType(oid, qualified, "composite", fields=tuple((n, t) for n, t in fields))
+        elif element and length == -1:
+            user = UserType(oid, qualified, "array", base=element)
+        else:
+            user = UserType(oid, qualified, "other")
+        found[oid] = user
+        pending.extend([user.base, *(t for _, t in user.fields)])
+    return facts_json(found.values())

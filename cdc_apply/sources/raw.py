@@ -12,3 +12,4 @@ class RawMessage:
     xid: int | None
     data: bytes
     source: str | None = None  # "file.jsonl:LINE" or similar, for error messages
+    type_facts: str | None = None  # a Type message's catalog facts, as a capture recorded them (pgtypes/user.py)

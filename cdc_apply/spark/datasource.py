@@ -36,6 +36,7 @@ from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.replication import IDLE_ADVANCE_WAL_SEGMENT, ReplicationCore
 from cdc_apply.sources.capture import read_captures
+from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.preflight import check_source, ensure_publication_and_slot, protocol_options
 from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import (
@@ -108,12 +109,16 @@ def _protocol(conn: psycopg.Connection, options: ReaderOptions) -> PgOutputOptio
 def _core(options: ReaderOptions, conn: psycopg.Connection | None = None) -> ReplicationCore:
     """A replication core whose sink is Spark's: the caller takes the transactions. With ``conn``
     it confirms by advancing the slot, starting from the slot's confirmed position."""
+    # Capture files carry the catalog's facts about their types on the Type messages' rows; a slot's
+    # messages are read with the source's catalog at hand.
+    type_facts = None if options.paths else SourceCatalog(options.source.conninfo()).type_facts
     if conn is None:
-        return ReplicationCore(None, spill_bytes=options.spill_bytes, skip_origins=options.source.skip_origins)
+        return ReplicationCore(None, spill_bytes=options.spill_bytes, skip_origins=options.source.skip_origins,
+                               type_facts=type_facts)
     slot = options.source.slot
     return ReplicationCore(None, lambda lsn: advance_slot(conn, slot, lsn), confirmed=confirmed_flush(conn, slot),
                            spill_bytes=options.spill_bytes, skip_origins=options.source.skip_origins,
-                           idle_advance_bytes=IDLE_ADVANCE_WAL_SEGMENT)
+                           idle_advance_bytes=IDLE_ADVANCE_WAL_SEGMENT, type_facts=type_facts)
 
 
 def _assembled(raws: list[RawMessage], options: ReaderOptions) -> tuple[list[Transaction], ReplicationCore]:

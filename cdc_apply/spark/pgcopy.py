@@ -64,7 +64,7 @@ class TableCopy:
     column_map: Mapping[str, str | None]  # source column -> target column (None: not kept)
     data_types: Mapping[str, str]  # target column -> Spark type, in the target's order
     text_columns: frozenset[str] = frozenset()  # source columns converted as PostgreSQL's exact text
-    custom_types: Mapping[int, tuple[str, str]] = field(default_factory=dict)  # TypeCache.named
+    custom_types: Mapping[int, tuple[str, str, str | None]] = field(default_factory=dict)  # TypeCache.named
     chunk_rows: int = 100_000
     # Columns every copied row holds the same value in (the metadata columns): name -> (Spark type, value)
     constants: Mapping[str, tuple[str, object]] = field(default_factory=dict)

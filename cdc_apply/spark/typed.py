@@ -32,6 +32,7 @@ from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgtypes import TypeCache, lookup
+from cdc_apply.sources.catalog import read_type_facts
 from cdc_apply.sources.snapshot import published_tables
 
 IMAGES = ("key", "old", "new")
@@ -59,10 +60,10 @@ def quoted(name: str) -> str:
 
 
 @lru_cache(maxsize=64)
-def _codec(relation: m.Relation, custom_types: tuple[tuple[int, str, str], ...]) -> RelationCodec:
+def _codec(relation: m.Relation, custom_types: tuple[tuple[int, str, str, str | None], ...]) -> RelationCodec:
     types = TypeCache()
-    for oid, namespace, name in custom_types:
-        types.add(oid, namespace, name)
+    for oid, namespace, name, facts in custom_types:
+        types.add(oid, namespace, name, facts)
     return RelationCodec.build(relation, types)
 
 
@@ -73,7 +74,8 @@ class TableImages:
     Plain messages only: Spark pickles it to the Python workers, and the codecs' converters do not pickle."""
 
     relation: m.Relation
-    custom_types: tuple[tuple[int, str, str], ...]  # (oid, namespace, name) as Type messages name them
+    # (oid, namespace, name, catalog facts) as Type messages name them (the facts attached by the assembler)
+    custom_types: tuple[tuple[int, str, str, str | None], ...]
 
     @property
     def codec(self) -> RelationCodec:
@@ -141,7 +143,7 @@ def images_from_catalog(conn: psycopg.Connection, publications: Sequence[str], t
                     row = conn.execute("SELECT n.nspname, t.typname FROM pg_type t JOIN pg_namespace n "
                                        "ON n.oid = t.typnamespace WHERE t.oid = %s", (column.type_oid,)).fetchone()
                     if row is not None:
-                        custom.append((column.type_oid, row[0], row[1]))
+                        custom.append((column.type_oid, row[0], row[1], read_type_facts(conn, column.type_oid)))
             return TableImages(relation, tuple(custom))
     raise ConfigError(f"pgoutput option table: {'.'.join(table)} is not published by publication(s) "
                       f"{', '.join(map(repr, publications))}")
@@ -156,4 +158,4 @@ def images_from_relations(relations: Iterable[m.Relation], types: Iterable[m.Typ
             last = relation
     if last is None:
         raise ConfigError(f"pgoutput option table: no Relation message for {'.'.join(table)} in {where}")
-    return TableImages(last, tuple((t.oid, t.namespace, t.name) for t in types))
+    return TableImages(last, tuple((t.oid, t.namespace, t.name, t.facts) for t in types))
