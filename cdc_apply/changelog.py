@@ -43,6 +43,8 @@ from cdc_apply.apply.targets import FileAppend, KnownVersionAppend, Target, sql_
 from cdc_apply.assemble import SpilledChanges, Transaction
 from cdc_apply.config import Config
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.lake.location import Location
+from cdc_apply.lake.state import STATE_DIRECTORY
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.spark.log_files import COPY_XID, MAX_SEQ, CopyLog, write_log_file
@@ -91,7 +93,8 @@ def changelog_target(spark: SparkSession, config: Config, warehouse: str | None 
     settings = config.changelog
     if settings.name is not None:
         return Target(spark, settings.name, True)
-    return Target(spark, settings.path or f"{warehouse or config.target.warehouse}/_cdc_apply/changelog", False)
+    default = Location.parse(warehouse or config.target.warehouse).child(STATE_DIRECTORY, "changelog")
+    return Target(spark, settings.path or str(default), False)
 
 
 def enabled_changelog(spark: SparkSession, config: Config) -> ChangeLog | None:

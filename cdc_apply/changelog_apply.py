@@ -10,7 +10,7 @@ Invariants:
 - A window commits to each target with ``txnVersion`` = its last commit LSN; a window applied again
   (after a crash, or a replay into the live warehouse) is skipped by those versions, so reading from
   too early an LSN is only slower, never wrong.
-- ``AppliedPosition`` (``<warehouse>/_cdc_apply/changelog_applied.json``) is written after a
+- ``AppliedPosition`` (``<warehouse>/_cdc_apply/changelog_applied/<pipeline>.json``) is written after a
   window's target commits are durable: it is a lower bound of what every target holds, so a
   restart re-reads at most one window.
 - ``TargetFollower`` is the only writer of the targets' change commits in ``confirm_after:
@@ -23,25 +23,23 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult, TableResult
 from cdc_apply.apply.plan import Versioning
 from cdc_apply.apply.options import MAX_PIECE_BYTES
-from cdc_apply.apply.targets import write_json_atomically
+from cdc_apply.lake.state import AppliedPosition
 from cdc_apply.assemble import DEFAULT_SPILL_BYTES, ChangeBuffer, SpilledChanges, Transaction
 from cdc_apply.changelog import ChangeLog, enabled_changelog
 from cdc_apply.config import BatchingConfig, Config
 from cdc_apply.errors import CdcApplyError
-from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn, parse_lsn, pg_us_to_unix_us
+from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn, pg_us_to_unix_us
 from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, micro_batch_changes, relation_of
 from cdc_apply.spark.log_collapse import REFUSED, collapse_on_executors, groups_for
@@ -85,24 +83,6 @@ def still_yielding(backlog_since: float | None, last_logged: float, now: float) 
     return backlog_since is not None and now - backlog_since < BACKLOG_YIELD_S and now - last_logged < BACKLOG_QUIET_S
 
 Applied = Callable[[BatchResult, list[Transaction]], None]  # told each window applied
-
-
-class AppliedPosition:
-    """The commit LSN up to which every target of a warehouse holds a pipeline's change log."""
-
-    def __init__(self, warehouse: str, pipeline: str) -> None:
-        self.path = Path(warehouse) / "_cdc_apply" / "changelog_applied.json"
-        self.pipeline = pipeline
-
-    def _entries(self) -> dict[str, str]:
-        return json.loads(self.path.read_text()) if self.path.exists() else {}
-
-    def read(self) -> int | None:
-        text = self._entries().get(self.pipeline)
-        return parse_lsn(text) if text else None
-
-    def write(self, lsn: int) -> None:
-        write_json_atomically(self.path, {**self._entries(), self.pipeline: format_lsn(lsn)})
 
 
 @dataclass(frozen=True)
@@ -485,7 +465,7 @@ def targets_from_changelog(changelog: ChangeLog, stream_applier: BatchApplier, s
             summary.metrics.targets_applied(result.last_lsn)
 
     return ChangeLogApplier(changelog, stream_applier.in_new_session(), max_changes=batching.max_changes,
-                            position=AppliedPosition(stream_applier.options.warehouse, stream_applier.options.pipeline),
+                            position=AppliedPosition(stream_applier.options.state),
                             applied=applied, spill_bytes=batching.spill_bytes)
 
 

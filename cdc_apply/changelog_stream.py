@@ -23,14 +23,15 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
 from cdc_apply.changelog import ChangeLog
-from cdc_apply.changelog_apply import AppliedPosition, ChangeLogApplier
+from cdc_apply.changelog_apply import ChangeLogApplier
+from cdc_apply.lake.state import AppliedPosition
 from cdc_apply.config import Config, ConfigError
+from cdc_apply.lake.location import path_component
 from cdc_apply.lsn import format_lsn
 from cdc_apply.sink import RunSummary
 from cdc_apply.spark.log_files import COPY_XID
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 def changelog_checkpoint(config: Config) -> str:
     """``<warehouse>/_cdc_apply/changelog_checkpoints/<pipeline>``: beside the targets' recorded position,
     apart from ``cdc-apply stream``'s checkpoints."""
-    return str(Path(config.target.warehouse) / "_cdc_apply" / "changelog_checkpoints" / config.pipeline)
+    return str(apply_options(config).state.location("changelog_checkpoints", path_component(config.pipeline)))
 
 
 def start_changelog_stream(config: Config, spark: SparkSession, *, once: bool = False) -> StreamingQuery:
@@ -66,7 +67,7 @@ def start_changelog_stream(config: Config, spark: SparkSession, *, once: bool = 
                            missing_value=SourceCatalog(config.source.conninfo()).missing_value)
     summary = RunSummary()
     from_log = ChangeLogApplier(changelog, applier, max_changes=config.batching.max_changes,
-                                position=AppliedPosition(config.target.warehouse, config.pipeline),
+                                position=AppliedPosition(apply_options(config).state),
                                 applied=lambda result, transactions: summary.record(result, transactions),
                                 spill_bytes=config.batching.spill_bytes)
 

@@ -33,9 +33,13 @@ EXIT_USAGE = 2
 
 def _spark_session(config: Config) -> SparkSession:
     """The verbs' session. None reads ``format("pgoutput")`` but `stream`, which registers it itself:
-    registering it here would cost each job's start a Python worker (``build_spark_session``)."""
+    registering it here would cost each job's start a Python worker (``build_spark_session``). An
+    object-store warehouse is checked first: a missing bucket or refused credentials fail at once."""
+    from cdc_apply.apply.options import apply_options
     from cdc_apply.spark import build_spark_session
 
+    options = apply_options(config)  # a warehouse the store refuses fails before Spark starts
+    options.storage.check(options.warehouse_location, "target.warehouse")
     return build_spark_session(config.spark, register_pgoutput=False)
 
 
@@ -117,7 +121,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 def _cmd_trim_changelog(args: argparse.Namespace) -> int:
     from cdc_apply.changelog import ChangeLog
-    from cdc_apply.changelog_apply import AppliedPosition
+    from cdc_apply.apply.options import apply_options
+    from cdc_apply.lake.state import AppliedPosition
     from cdc_apply.config import load_config
     from cdc_apply.lsn import parse_lsn
 
@@ -137,7 +142,7 @@ def _cmd_trim_changelog(args: argparse.Namespace) -> int:
         print("trim-changelog: no transaction in the change log is old enough; nothing removed")
         return EXIT_OK
     if config.changelog.confirm_after == "changelog":
-        applied = AppliedPosition(config.target.warehouse, config.pipeline).read()
+        applied = AppliedPosition(apply_options(config).state).read()
         if applied is None or applied < through:  # the targets still need those rows
             print(f"trim-changelog: the targets hold the log only up to "
                   f"{'nothing' if applied is None else format_lsn(applied)}; trimming through that instead")

@@ -19,7 +19,7 @@ import psycopg
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.delta_log import writer_versions
 from cdc_apply.apply.options import apply_options
-from cdc_apply.apply.targets import TargetRegistry
+from cdc_apply.lake.state import TargetRegistry
 from cdc_apply.assemble import Transaction
 from cdc_apply.changelog import enabled_changelog
 from cdc_apply.changelog_apply import (
@@ -77,8 +77,10 @@ def _refuse_a_slot_that_would_skip_changes(conn: psycopg.Connection, config: Con
     source = config.source
     if slot_exists(conn, source.slot):
         return
-    for oid, entry in sorted(TargetRegistry(config.target.warehouse).entries().items()):
-        writer = None if entry["by_name"] else writer_versions(entry["location"]).get(f"{config.pipeline}/{oid}")
+    state = apply_options(config).state
+    for oid, entry in sorted(TargetRegistry(state).entries().items()):
+        writer = None if entry["by_name"] else writer_versions(entry["location"], state.storage).get(
+            f"{config.pipeline}/{oid}")
         if writer is not None:
             raise PreflightError(
                 f"replication slot {source.slot!r} does not exist on {source.describe()}, but this pipeline's targets "

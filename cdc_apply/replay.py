@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.apply.options import ApplyOptions
-from cdc_apply.apply.targets import Target, TargetRegistry
+from cdc_apply.apply.targets import Target
+from cdc_apply.lake.state import TargetRegistry
 from cdc_apply.changelog import ChangeLog, ChangeLogError, RecordedCopy
 from cdc_apply.changelog_apply import ChangeLogApplier
 from cdc_apply.config import Config
@@ -68,7 +69,7 @@ def replay_changelog(spark: SparkSession, config: Config, options: ApplyOptions,
 def _refuse_tables_trimmed_past(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog,
                                 frame: DataFrame) -> None:
     """Each table the replay would apply must hold the log up to where ``trim`` removed it."""
-    registry = TargetRegistry(options.warehouse)
+    registry = TargetRegistry(options.state)
     for row in frame.select("relation_oid", "schema", "table").distinct().collect():
         holds = _target_holds(spark, options, row["relation_oid"], registry.get(row["relation_oid"]))
         changelog.refuse_if_trimmed_past(f"{row['schema']}.{row['table']}", holds)
@@ -78,7 +79,7 @@ def _refuse_tables_without_their_copy(spark: SparkSession, options: ApplyOptions
                                       table: str | None, until_lsn: int | None, copies: dict[int, RecordedCopy]) -> None:
     """Each table the replay would apply whose rows began with an initial copy must have a target that
     holds the copy already, unless the log holds the copy's rows and the replay reaches it."""
-    registry = TargetRegistry(options.warehouse)
+    registry = TargetRegistry(options.state)
     for oid, copy in copies.items():
         if table is None or copy.table == table:
             changelog.refuse_if_copy_missing(oid, copy, _target_holds(spark, options, oid, registry.get(oid)),
@@ -96,7 +97,7 @@ def _refuse_targets_ahead(spark: SparkSession, options: ApplyOptions, changelog:
                           copies: dict[int, RecordedCopy]) -> None:
     """A target past the log: unless its version is the copy the log recorded (a table copied after
     the log's last transaction), it holds changes the log lacks."""
-    for oid, entry in TargetRegistry(options.warehouse).entries().items():
+    for oid, entry in TargetRegistry(options.state).entries().items():
         version = _target_holds(spark, options, oid, entry)
         if version is not None and (held is None or version > held) and \
                 (oid not in copies or version != copies[oid].version):

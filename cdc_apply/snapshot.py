@@ -33,12 +33,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -54,6 +52,7 @@ from cdc_apply.changelog import enabled_changelog
 from cdc_apply.changerows.columns import inserted_images
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
+from cdc_apply.lake.state import ResyncMarks
 from cdc_apply.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_datetime
 from cdc_apply.progress import progress
 from cdc_apply.pgoutput import messages as m
@@ -78,32 +77,11 @@ class TableSnapshot:
     method: str = "key order"  # "ranges": Spark's tasks copied it; "key order": the driver did
 
 
-class ResyncMarks:
-    """Tables whose re-copy was asked for and has not finished: one empty file per relation OID."""
-
-    def __init__(self, warehouse: str, pipeline: str) -> None:
-        self.directory = Path(warehouse) / "_cdc_apply" / "resync" / pipeline
-
-    def _path(self, oid: int) -> Path:
-        return self.directory / str(oid)
-
-    def add(self, oid: int) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self._path(oid), "w") as handle:
-            os.fsync(handle.fileno())
-
-    def pending(self, oid: int) -> bool:
-        return self._path(oid).exists()
-
-    def remove(self, oid: int) -> None:
-        self._path(oid).unlink(missing_ok=True)
-
-
 class Snapshotter:
     def __init__(self, config: Config, applier: BatchApplier) -> None:
         self.config = config
         self.applier = applier
-        self.resyncs = ResyncMarks(applier.options.warehouse, config.pipeline)
+        self.resyncs = ResyncMarks(applier.options.state)
         self.changelog = enabled_changelog(applier.spark, config)  # told of each copy: its rows are not in it
 
     def needs_copy(self, table: PublishedTable) -> bool:

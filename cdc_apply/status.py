@@ -20,11 +20,10 @@ import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 
 from cdc_apply.apply.delta_log import writer_versions
-from cdc_apply.apply.targets import TargetRegistry
-from cdc_apply.changelog_apply import AppliedPosition
+from cdc_apply.apply.options import apply_options
+from cdc_apply.lake.state import AppliedPosition, ResyncMarks, TargetRegistry
 from cdc_apply.config import Config
 from cdc_apply.lsn import format_lsn
-from cdc_apply.snapshot import ResyncMarks
 from cdc_apply.sources.health import missing_publications, publication_tables, read_slot_health, standby_copies
 
 
@@ -35,15 +34,16 @@ def pipeline_status(config: Config) -> dict[str, Any]:
         standbys = standby_copies(source, conn)
         published = publication_tables(conn, source.publications)
         missing = missing_publications(conn, source.publications)
-    registry = TargetRegistry(config.target.warehouse).entries()
-    marks = ResyncMarks(config.target.warehouse, config.pipeline)
+    state = apply_options(config).state
+    registry = TargetRegistry(state).entries()
+    marks = ResyncMarks(state)
     tables = []
     for oid, name in sorted((published or {}).items(), key=lambda item: item[1]):
         entry = registry.get(oid)
         row: dict[str, Any] = {"table": name, "relation_oid": oid, "target": entry["location"] if entry else None,
                                "applied_lsn": None, "applied_at": None, "resync_pending": marks.pending(oid)}
         if entry and not entry["by_name"]:  # a catalog table's files are the metastore's business
-            writer = writer_versions(entry["location"]).get(f"{config.pipeline}/{oid}")
+            writer = writer_versions(entry["location"], state.storage).get(f"{config.pipeline}/{oid}")
             if writer is not None:
                 row["applied_lsn"] = format_lsn(writer.version)
                 if writer.last_updated_ms is not None:
@@ -61,10 +61,10 @@ def changelog_status(config: Config) -> dict[str, Any]:
     """Where the change log is, the last commit LSN it holds, and (``confirm_after: changelog``) how far
     every target holds it: the MERGE lag, in WAL bytes, is the difference."""
     settings = config.changelog
-    location = None if settings.name is not None else (
-        settings.path or f"{config.target.warehouse}/_cdc_apply/changelog")
-    writer = writer_versions(location).get(f"{config.pipeline}/changelog") if location else None
-    applied = AppliedPosition(config.target.warehouse, config.pipeline).read()
+    state = apply_options(config).state
+    location = None if settings.name is not None else (settings.path or str(state.location("changelog")))
+    writer = writer_versions(location, state.storage).get(f"{config.pipeline}/changelog") if location else None
+    applied = AppliedPosition(state).read()
     logged = writer.version if writer is not None else None
     return {"location": location or settings.name, "confirm_after": settings.confirm_after,
             "lsn": format_lsn(logged) if logged is not None else None,

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
+
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import psycopg
@@ -24,6 +24,8 @@ from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
 from cdc_apply.changelog_apply import TargetFollower, changelog_sink
 from cdc_apply.config import Config, SourceConfig
+from cdc_apply.lake.location import Location, path_component
+from cdc_apply.lake.state import STATE_DIRECTORY
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
 from cdc_apply.pipeline import prepare_source
 from cdc_apply.runtime import StopFlag
@@ -64,8 +66,8 @@ def offset_lsn(offset: dict[str, Any] | str | None) -> str:
 
 
 def checkpoint_location(config: Config) -> str:
-    return config.stream.checkpoint_location or str(Path(config.target.warehouse) / "_cdc_apply" / "checkpoints"
-                                                    / config.pipeline)
+    return config.stream.checkpoint_location or str(
+        Location.parse(config.target.warehouse).child(STATE_DIRECTORY, "checkpoints", path_component(config.pipeline)))
 
 
 @overload

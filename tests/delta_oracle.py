@@ -23,6 +23,7 @@ from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from cdc_apply.lake.location import Location, Storage
 from cdc_apply.pgtypes import PgType, TypeCache
 from tests.reference_apply import _as_text
 
@@ -127,8 +128,16 @@ def _rendered(values: list[list[Any]], columns: list[str], types: dict[str, PgTy
 
 
 def delta_rs_rows(path: str, columns: list[str], types: dict[str, PgType],
-                  where: str | None = None) -> list[tuple[str | None, ...]] | None:
-    """The table read by delta-rs, or None when it requires a feature delta-rs cannot read."""
+                  where: str | None = None, storage: Storage | None = None) -> list[tuple[str | None, ...]] | None:
+    """The table read by delta-rs, or None when it requires a feature delta-rs cannot read.
+    ``storage``: how to reach an object store (its endpoint and keys), for a path there."""
+    if storage is not None and not Location.parse(path).local:
+        location = Location.parse(path)
+        delta_rs_reads[0] += 1
+        table = pa.RecordBatchReader.from_stream(DeltaTable(
+            storage.delta_rs_uri(location), storage_options=storage.delta_rs_options(location)).scan(
+                columns=columns, predicate=where)).read_all()
+        return _delta_rs_rendered(table, columns, types)
     unreadable = reader_features(path) & DELTA_RS_UNREADABLE
     if unreadable:
         delta_rs_left_out[path] = unreadable
@@ -137,6 +146,10 @@ def delta_rs_rows(path: str, columns: list[str], types: dict[str, PgType],
         return None
     delta_rs_reads[0] += 1
     table = pa.RecordBatchReader.from_stream(DeltaTable(path).scan(columns=columns, predicate=where)).read_all()
+    return _delta_rs_rendered(table, columns, types)
+
+
+def _delta_rs_rendered(table: pa.Table, columns: list[str], types: dict[str, PgType]) -> list[tuple[str | None, ...]]:
     if table.num_rows == 0:
         return []
     table = table.combine_chunks()
@@ -145,10 +158,10 @@ def delta_rs_rows(path: str, columns: list[str], types: dict[str, PgType],
 
 
 def delta_rows(spark: SparkSession, path: str, columns: list[str], types: dict[str, PgType],
-               where: str | None = None) -> list[tuple[str | None, ...]]:
+               where: str | None = None, storage: Storage | None = None) -> list[tuple[str | None, ...]]:
     """The table read by Spark; delta-rs must read the same rows wherever it can read the table."""
     rows = spark_rows(spark, path, columns, types, where)
-    by_delta_rs = delta_rs_rows(path, columns, types, where)
+    by_delta_rs = delta_rs_rows(path, columns, types, where, storage)
     if by_delta_rs is not None:
         assert by_delta_rs == rows, (f"{path}: delta-rs reads other rows than Spark: only Spark "
                                      f"{[r for r in rows if r not in by_delta_rs][:2]}, only delta-rs "

@@ -24,6 +24,7 @@ from cdc_apply.apply.targets import Target
 from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.changelog import ChangeLog, ChangeLogError
 from cdc_apply.assemble import Transaction
+from cdc_apply.lake.state import PipelineState
 from cdc_apply.changelog_apply import (
     BACKLOG_LAG_S, BACKLOG_QUIET_S, BACKLOG_YIELD_S, AppliedPosition, shows_a_backlog, still_yielding,
     transaction_windows,
@@ -256,7 +257,7 @@ def test_confirm_after_changelog_confirms_at_the_log_and_the_targets_follow(db18
     config = _config(conninfo, warehouse, pipeline="confirming", confirm_after="changelog")
     config = config.model_copy(update={"batching": config.batching.model_copy(update={"max_changes": 2000,
                                                                                       "max_seconds": 0.5})})
-    position = AppliedPosition(warehouse, "confirming")
+    position = AppliedPosition(PipelineState.at(warehouse, "confirming"))
     with psycopg.connect(conninfo, autocommit=True) as conn:
         create_schema(conn, "load")
         drain(config, spark)  # the slot and the (empty) copies
@@ -296,7 +297,7 @@ def test_follow_changelog_keeps_the_targets_current_as_a_separate_streaming_job(
     warehouse = str(tmp_path / "wh")
     config = _config(conninfo, warehouse, pipeline="separate", confirm_after="changelog", targets="separate")
     config = config.model_copy(update={"stream": config.stream.model_copy(update={"interval_seconds": 0.5})})
-    position = AppliedPosition(warehouse, "separate")
+    position = AppliedPosition(PipelineState.at(warehouse, "separate"))
     with psycopg.connect(conninfo, autocommit=True) as conn:
         create_schema(conn, "load")
         drain(config, spark)  # the slot and the (empty) copies
@@ -371,9 +372,10 @@ def test_the_streaming_job_keeps_the_change_log_in_either_confirm_mode(db18, spa
             assert len(identities[confirm_after]) == len(rows) > 0, "a change is in the log twice"
         assert identities["targets"] == identities["changelog"]
         followed = configs["changelog"]
-        applied = AppliedPosition(followed.target.warehouse, followed.pipeline).read()
+        applied = AppliedPosition(PipelineState.at(followed.target.warehouse, followed.pipeline)).read()
         assert applied == ChangeLog(spark, followed).version
-        assert AppliedPosition(configs["targets"].target.warehouse, configs["targets"].pipeline).read() is None
+        targets = configs["targets"]
+        assert AppliedPosition(PipelineState.at(targets.target.warehouse, targets.pipeline)).read() is None
 
 
 def test_the_follower_yields_to_a_backlog_of_full_or_late_batches_until_the_stream_is_quiet() -> None:

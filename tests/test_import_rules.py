@@ -57,6 +57,8 @@ def _violations(source_prefix: str, target_prefixes: tuple[str, ...] | set[str])
     ("cdc_apply.pgoutput", ("pyspark", "delta")),
     ("cdc_apply.pgtypes", ("pyspark", "delta")),
     ("cdc_apply.assemble", ("pyspark", "delta")),
+    # the lake (where files live, the pipeline's state) sits below apply, the copy, the change log and Spark
+    ("cdc_apply.lake", ("cdc_apply.apply", "cdc_apply.spark", "cdc_apply.sources", "pyspark", "delta", *RUNNERS)),
 ])
 def test_forbidden_imports(source: str, targets: tuple[str, ...]) -> None:
     assert _violations(source, targets) == []

@@ -42,7 +42,8 @@ from cdc_apply.apply.plan import (
 from cdc_apply.apply.schema import BackfillTargetColumn
 from cdc_apply.apply.schema_applier import SchemaApplier
 from cdc_apply.apply.target_state import TargetStates
-from cdc_apply.apply.targets import SourceState, Target, TargetRegistry
+from cdc_apply.apply.targets import SourceState, Target
+from cdc_apply.lake.state import TargetRegistry
 from cdc_apply.apply.writer import TableWriter
 from cdc_apply.assemble import Change, SpilledChanges, Transaction
 from cdc_apply.changerows.codec import PortableCodec, UnrepresentableColumnError
@@ -71,7 +72,7 @@ class BatchApplier:
         self._pool: ThreadPoolExecutor | None = None
         self.options = options
         self.missing_value = missing_value
-        self.registry = registry or TargetRegistry(options.warehouse)
+        self.registry = registry or TargetRegistry(options.state)
         self.target_states = TargetStates()
         self.schema = SchemaApplier(options, self.target_states, missing_value)
         self.rows = ChangeRowBuilder(self.schema.types)  # the same type cache: Type messages register there

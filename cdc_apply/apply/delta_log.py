@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+
+from cdc_apply.lake.location import Location, Storage
 
 
 @dataclass(frozen=True)
@@ -25,30 +26,33 @@ def _note(versions: dict[str, WriterVersion], txn: dict[str, Any] | None) -> Non
         versions[str(txn["appId"])] = WriterVersion(int(txn["version"]), txn.get("lastUpdated"))
 
 
-def _json_actions(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def writer_versions(table_path: str | Path) -> dict[str, WriterVersion]:
-    """app id -> its last version; {} when the directory holds no Delta table."""
-    log_dir = Path(table_path) / "_delta_log"
+def writer_versions(table: str | Location, storage: Storage | None = None) -> dict[str, WriterVersion]:
+    """app id -> its last version; {} when the location holds no Delta table."""
+    storage = storage or Storage()
+    log_dir = Location.parse(table).child("_delta_log")
     versions: dict[str, WriterVersion] = {}
     checkpoint_version = -1
-    last = log_dir / "_last_checkpoint"
-    if last.exists():
-        checkpoint_version = int(json.loads(last.read_text())["version"])
-        for part in sorted(log_dir.glob(f"{checkpoint_version:020d}.checkpoint*")):
-            if part.suffix == ".parquet":
-                schema = pq.read_schema(part)
-                if "txn" in schema.names:
-                    for txn in pq.read_table(part, columns=["txn"]).column("txn").to_pylist():
+    names = storage.names(log_dir)
+    last = storage.read_text(log_dir.child("_last_checkpoint")) if "_last_checkpoint" in names else None
+    if last is not None:
+        checkpoint_version = int(json.loads(last)["version"])
+        for name in sorted(n for n in names if n.startswith(f"{checkpoint_version:020d}.checkpoint")):
+            if name.endswith(".parquet"):
+                filesystem, path = storage.filesystem(log_dir.child(name))
+                parquet = pq.ParquetFile(filesystem.open_input_file(path))
+                if "txn" in parquet.schema_arrow.names:
+                    for txn in parquet.read(columns=["txn"]).column("txn").to_pylist():
                         _note(versions, txn)
-            elif part.suffix == ".json":
-                for action in _json_actions(part):
+            elif name.endswith(".json"):
+                for action in _json_actions(storage.read_text(log_dir.child(name)) or ""):
                     _note(versions, action.get("txn"))
-    commits = sorted((int(p.stem), p) for p in log_dir.glob("*.json") if p.stem.isdigit())
-    for number, path in commits:
+    commits = sorted((int(name[:-5]), name) for name in names if name.endswith(".json") and name[:-5].isdigit())
+    for number, name in commits:
         if number > checkpoint_version:
-            for action in _json_actions(path):
+            for action in _json_actions(storage.read_text(log_dir.child(name)) or ""):
                 _note(versions, action.get("txn"))
     return versions
+
+
+def _json_actions(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -7,13 +7,13 @@ directly. Defaults are what a data engineer expects: hard deletes, no history, l
 from __future__ import annotations
 
 import fnmatch
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.lake.location import PATH_ESCAPE, Location, Storage, path_component  # noqa: F401 - re-exported
+from cdc_apply.lake.state import PipelineState
 
 if TYPE_CHECKING:
     from cdc_apply.config import Config, TableConfig
@@ -40,27 +40,6 @@ class TargetPathError(CdcApplyError):
     """A target location that would lie outside the warehouse."""
 
 
-# The escape itself, path separators, what Hadoop paths or globs read specially (":" makes a URI
-# scheme) and "%", which delta-rs percent-decodes in a table's path (so "%" cannot be the escape).
-PATH_ESCAPE = "~"
-_ENCODED_PATH_CHARACTERS = frozenset('~%/\\:*?[]{}#"<>|')
-
-
-def path_component(identifier: str) -> str:
-    """A PostgreSQL identifier as one safe path component, injectively (docs/apply.md, "Target paths").
-
-    Printable characters stay as they are, so ``public``, ``order_items`` and ``Mixed Case`` keep
-    their names; ``~`` (the escape), ``%``, path separators, characters Hadoop paths and globs read
-    specially, anything unprintable and a leading dot become ``~XX`` per UTF-8 byte: ``..`` becomes
-    ``~2E.``, ``a/b`` becomes ``a~2Fb``.
-    """
-    out = []
-    for position, character in enumerate(identifier):
-        if character in _ENCODED_PATH_CHARACTERS or not character.isprintable() or (character == "." and position == 0):
-            out.append("".join(f"{PATH_ESCAPE}{byte:02X}" for byte in character.encode("utf-8", "surrogatepass")))
-        else:
-            out.append(character)
-    return "".join(out) or PATH_ESCAPE  # an empty name (never a PostgreSQL one): "~" alone, which no name encodes to
 
 
 @dataclass(frozen=True)
@@ -99,6 +78,7 @@ class ApplyOptions:
     parallel_tables: int = 1
     path_template: str = "{schema}/{table}"  # under the warehouse
     name_template: str | None = None  # a catalog table name instead of a path, e.g. "lake.{schema}_{table}"
+    storage: Storage = field(default_factory=Storage)  # how Python reaches the warehouse's store (its state)
     optimize_every_commits: int = 0  # compact a target's small files when its log version crosses a multiple
     # A spilled transaction is appended in pieces of at most this many bytes of messages: the driver
     # holds one piece's change rows at a time, about 4x its size (docs/live.md, "Memory").
@@ -113,12 +93,20 @@ class ApplyOptions:
         if self.name_template is not None:
             return self.name_template.format(schema=schema, table=table), True
         relative = self.path_template.format(schema=path_component(schema), table=path_component(table))
-        warehouse = Path(self.warehouse).absolute()
-        location = Path(os.path.normpath(warehouse / relative))
-        if location == warehouse or not location.is_relative_to(warehouse) or Path(relative).is_absolute():
-            raise TargetPathError(f"target.path_template: the target of {schema!r}.{table!r} would be {location}, "
-                                  f"which is not under the warehouse {warehouse}")
-        return str(Path(self.warehouse) / relative), False
+        try:
+            return str(self.warehouse_location.under(relative)), False
+        except ValueError as exc:
+            raise TargetPathError(f"target.path_template: the target of {schema!r}.{table!r} is not under the "
+                                  f"warehouse {self.warehouse_location}: {exc}") from None
+
+    @property
+    def warehouse_location(self) -> Location:
+        return Location.parse(self.warehouse)
+
+    @property
+    def state(self) -> PipelineState:
+        """The pipeline's own state, beside its targets (``cdc_apply/lake/state.py``)."""
+        return PipelineState(self.warehouse_location, self.pipeline, self.storage)
 
     def column_type(self, schema: str, table: str, column: str) -> str | None:
         """The type the config sets for a source column (``tables.<t>.columns.<c>.type``), or None."""
@@ -146,6 +134,7 @@ def table_options(table: TableConfig) -> TableOptions:
 def apply_options(config: Config) -> ApplyOptions:
     """What the apply needs of a validated config."""
     return ApplyOptions(warehouse=config.target.warehouse, pipeline=config.pipeline,
+                        storage=Storage.from_spark_conf(config.spark),
                         parallel_tables=config.batching.parallel_tables,
                         path_template=config.target.path_template, name_template=config.target.name_template,
                         tables={pattern: table_options(table) for pattern, table in config.tables.items()},

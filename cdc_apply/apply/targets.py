@@ -12,16 +12,15 @@ Invariants:
 from __future__ import annotations
 
 import json
-import os
 import re
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cdc_apply.apply.files import WrittenFile
+from cdc_apply.lake.location import Location
+from cdc_apply.lake.state import TargetRegistry  # noqa: F401 - its home before cdc_apply.lake
 from cdc_apply.apply.options import (
     COMMIT_LSN, COMMIT_TS, CURRENT, DELETED, METADATA_PREFIX, VALID_FROM, VALID_TO, TableOptions,
 )
@@ -277,7 +276,7 @@ class Target:
         own), or what Delta's writer enforces or fills in. With ``app_id``, the commit records
         ``app_id``'s next version as ``KnownVersionAppend`` does, and None also when the log has
         moved past ``read_at``."""
-        if self.by_name or not _local_path(self.location):
+        if self.by_name or not Location.parse(self.location).local:
             return None
         transaction = self._delta_log().startTransaction()
         if read_at is not None and int(transaction.snapshot().version()) != read_at:
@@ -344,47 +343,11 @@ def sql_string(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def write_json_atomically(path: Path, data: object) -> None:
-    """``data`` as JSON at ``path``, which a reader finds whole or as it was (write, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(temporary, path)
-
-
-class TargetRegistry:
-    """relation OID -> target location, kept in ``<warehouse>/_cdc_apply/targets.json``."""
-
-    def __init__(self, warehouse: str) -> None:
-        self.warehouse = warehouse
-        self.path = Path(warehouse) / "_cdc_apply" / "targets.json"
-        self._lock = threading.Lock()
-        self._entries: dict[str, dict[str, Any]] = (
-            json.loads(self.path.read_text()) if self.path.exists() else {})
-
-    def get(self, relation_oid: int) -> dict[str, Any] | None:
-        return self._entries.get(str(relation_oid))
-
-    def add(self, relation_oid: int, location: str, by_name: bool, schema: str, table: str) -> None:
-        with self._lock:  # tables may be applied by several threads
-            self._entries[str(relation_oid)] = {"location": location, "by_name": by_name,
-                                                "schema": schema, "table": table}
-            write_json_atomically(self.path, self._entries)
-
-    def entries(self) -> dict[int, dict[str, Any]]:
-        return {int(oid): entry for oid, entry in self._entries.items()}
-
-
 _WRITE_METRICS = ("numFiles", "numOutputRows", "numOutputBytes")  # a WRITE commit's operation metrics
 
 
 _PLAIN_FIELD_METADATA = {"delta.columnMapping.id", "delta.columnMapping.physicalName", "comment"}
 _WRITER_ENFORCED = ("delta.constraints.", "delta.universalFormat.", "delta.enableIcebergCompat")
-
-
-def _local_path(location: str) -> bool:
-    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", location)
-    return scheme is None or scheme[1] == "file"
 
 
 class KnownVersionAppend:

@@ -308,10 +308,10 @@ class CrashDrill:
 
     def _wait_until_the_targets_hold_the_log(self, timeout: float) -> None:
         from cdc_apply.apply.delta_log import writer_versions
-        from cdc_apply.changelog_apply import AppliedPosition
+        from cdc_apply.lake.state import AppliedPosition, PipelineState
 
         log_version = writer_versions(Path(self.warehouse) / "_cdc_apply" / "changelog")[f"{PIPELINE}/changelog"].version
-        position = AppliedPosition(self.warehouse, PIPELINE)
+        position = AppliedPosition(PipelineState.at(self.warehouse, PIPELINE))
         deadline = time.monotonic() + timeout
         while (position.read() or 0) < log_version:
             if time.monotonic() > deadline:

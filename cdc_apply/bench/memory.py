@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psycopg
 
-from cdc_apply.changelog_apply import AppliedPosition
+from cdc_apply.lake.state import AppliedPosition, PipelineState
 from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgserver import PgServer
 from cdc_apply.sources.slot import wait_until_caught_up
@@ -98,7 +98,7 @@ def bench_memory(megabytes: float = 1024.0, updates: bool = False, changelog: bo
                 except TimeoutError:
                     sample_jvm()
             confirmed_s = time.perf_counter() - started
-            position = AppliedPosition(warehouse, "memory")
+            position = AppliedPosition(PipelineState.at(warehouse, "memory"))
             while changelog and (position.read() or 0) <= before_commit:  # the targets follow from the log
                 if job.poll() is not None:
                     raise RuntimeError(f"run --follow ended early:\n{(folder / 'follow.log').read_text()[-3000:]}")

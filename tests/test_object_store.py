@@ -1,0 +1,153 @@
+"""The warehouse on object storage, against a real S3-compatible server (versitygw) the tests start.
+
+- The copy and the stream (`run --once` twice) with schema evolution, a truncate and a keyless table:
+  every target equals PostgreSQL, read from S3 by Spark and by delta-rs; the pipeline's state lies
+  in the bucket beside the targets, and nothing lands on the local disk.
+- Two pipelines from two databases share one bucket; one that would write another's target is refused.
+- Bad input fails before Spark starts, naming the key, with no traceback and no secret.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from cdc_apply.config import parse_config
+from cdc_apply.lake.location import Location
+from cdc_apply.lake.state import PipelineState, TargetOwnedError, TargetRegistry
+from cdc_apply.s3server import S3Server
+from tests.conftest import fresh_database
+from tests.delta_oracle import delta_rows, source_types
+from tests.reference_apply import postgres_rows
+from tests.test_decode_cli import _cli
+
+TABLES = {"public.orders": ["id", "amount", "note"], "public.events": ["id", "kind"], "public.logbook": ["line"]}
+
+
+@pytest.fixture(scope="module")
+def s3():  # type: ignore[no-untyped-def]
+    with S3Server() as server:
+        server.create_bucket("lake")
+        yield server
+
+
+def _config(server, dbname: str, s3: S3Server, pipeline: str, warehouse: str):  # type: ignore[no-untyped-def]
+    return parse_config({"pipeline": pipeline,
+                         "source": {"dsn": server.conninfo(dbname), "slot": pipeline, "create_publication": True},
+                         "target": {"warehouse": warehouse}, "defaults": {"schema_policy": "evolve"},
+                         "spark": s3.spark_conf()})
+
+
+def _use_store(spark, s3: S3Server) -> None:  # type: ignore[no-untyped-def]
+    """The shared test session reaches this server (a job's own session takes them from ``spark:``)."""
+    for key, value in s3.spark_conf().items():
+        spark.conf.set(key.removeprefix("spark.hadoop."), value)
+
+
+def _assert_equal(spark, conn, warehouse: str, s3: S3Server) -> None:  # type: ignore[no-untyped-def]
+    for name, columns in TABLES.items():
+        truth = postgres_rows(conn, name, columns)
+        path = str(Location.parse(warehouse).under(name.replace(".", "/")))
+        got = delta_rows(spark, path, columns, source_types(conn, name), storage=s3.storage())
+        assert got == truth, f"{name}: {len(got)} rows in Delta, {len(truth)} in PostgreSQL"
+
+
+@pytest.mark.spark
+def test_copy_and_stream_into_a_warehouse_on_s3(pg18, spark, s3, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from cdc_apply.pipeline import drain
+    from cdc_apply.status import pipeline_status
+
+    _use_store(spark, s3)
+    monkeypatch.chdir(tmp_path)  # a path that lost its bucket would land here
+    warehouse = "s3a://lake/wh"
+    databases = fresh_database(pg18)
+    server, dbname = next(databases)
+    config = _config(server, dbname, s3, "orders_db", warehouse)
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute("CREATE TABLE orders (id int PRIMARY KEY, amount numeric(10,2))")
+        conn.execute("CREATE TABLE events (id bigint PRIMARY KEY, kind text)")
+        conn.execute("CREATE TABLE logbook (line text)")  # no key: insert-only
+        conn.execute("INSERT INTO orders SELECT g, g * 1.5 FROM generate_series(1, 200) g")
+        conn.execute("INSERT INTO events SELECT g, 'e' || g FROM generate_series(1, 50) g")
+        conn.execute("INSERT INTO logbook VALUES ('first'), ('first')")
+        first = drain(config, spark)  # copies the three tables
+        assert sorted(s.table for s in first.snapshots) == sorted(TABLES)
+
+        conn.execute("UPDATE orders SET amount = amount + 1 WHERE id % 3 = 0")
+        conn.execute("DELETE FROM orders WHERE id > 190")
+        conn.execute("ALTER TABLE orders ADD COLUMN note text")  # schema evolution
+        conn.execute("INSERT INTO orders VALUES (1000, 1, 'with a note')")
+        conn.execute("TRUNCATE events")
+        conn.execute("INSERT INTO events VALUES (7, 'after the truncate')")
+        conn.execute("INSERT INTO logbook VALUES ('second')")
+        second = drain(config, spark)
+        assert second.batches
+        _assert_equal(spark, conn, warehouse, s3)
+
+    storage = s3.storage()
+    state = PipelineState.at(warehouse, config.pipeline, storage)
+    registry = TargetRegistry(state).entries()
+    assert sorted(e["location"] for e in registry.values()) == [
+        "s3a://lake/wh/public/events", "s3a://lake/wh/public/logbook", "s3a://lake/wh/public/orders"]
+    assert (s3.root / "lake" / "wh" / "_cdc_apply" / "targets" / "orders_db.json").exists()
+    assert not any(p.name.startswith("s3a") for p in Path(tmp_path).rglob("*")), "state written to the local disk"
+    status = pipeline_status(config)
+    assert {row["table"]: row["applied_lsn"] is not None for row in status["tables"]} == {
+        name: True for name in TABLES}
+    assert s3.secret_key not in json.dumps(status)
+
+    # A second database, its own pipeline, the same bucket: beside the first, not in its way.
+    other_databases = fresh_database(pg18)  # kept: the database is dropped when its generator goes
+    other_server, other_db = next(other_databases)
+    other = _config(other_server, other_db, s3, "other_db", "s3a://lake/wh2")
+    with psycopg.connect(other_server.conninfo(other_db), autocommit=True) as conn:
+        conn.execute("CREATE TABLE orders (id int PRIMARY KEY, amount numeric(10,2), note text)")
+        conn.execute("INSERT INTO orders VALUES (1, 2, 'other')")
+        drain(other, spark)
+        truth = postgres_rows(conn, "public.orders", TABLES["public.orders"])
+        assert delta_rows(spark, "s3a://lake/wh2/public/orders", TABLES["public.orders"],
+                          source_types(conn, "public.orders"), storage=storage) == truth
+    # ... and pointed at the first pipeline's warehouse, it is refused before it writes a target.
+    clash = _config(other_server, other_db, s3, "clash", warehouse)
+    with psycopg.connect(other_server.conninfo(other_db), autocommit=True) as conn:
+        conn.execute("INSERT INTO orders VALUES (2, 3, 'clash')")
+    with pytest.raises(TargetOwnedError, match="pipeline 'orders_db' writes"):
+        drain(clash, spark)
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        _assert_equal(spark, conn, warehouse, s3)  # the first pipeline's targets untouched
+
+
+def _write_config(path: Path, s3: S3Server, warehouse: str, **spark: str) -> Path:
+    conf = {**s3.spark_conf(), **spark}
+    lines = ["pipeline: p", "source:", "  dsn: postgresql://127.0.0.1:1/none", "target:", f"  warehouse: {warehouse}",
+             "spark:", *(f"  {key}: {json.dumps(value)}" for key, value in conf.items())]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("warehouse,spark_conf,expected", [
+    ("s3a://no-such-bucket/wh", {}, "target.warehouse s3a://no-such-bucket/wh: bucket 'no-such-bucket' does not exist"),
+    ("s3a://lake/wh", {"spark.hadoop.fs.s3a.secret.key": "wrong-secret-0123"},
+     "target.warehouse s3a://lake/wh: the store refused the request"),
+])
+def test_a_warehouse_the_store_refuses_fails_before_spark_starts(s3, tmp_path, warehouse, spark_conf,
+                                                                 expected) -> None:  # type: ignore[no-untyped-def]
+    config = _write_config(tmp_path / "c.yaml", s3, warehouse, **spark_conf)
+    result = _cli("run", "--once", "--config", str(config))
+    assert result.returncode != 0 and expected in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    for secret in (s3.secret_key, "wrong-secret-0123"):
+        assert secret not in result.stderr + result.stdout
+
+
+def test_a_path_template_that_would_leave_an_s3_warehouse_is_refused(s3, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = _write_config(tmp_path / "c.yaml", s3, "s3a://lake/wh")
+    config.write_text(config.read_text().replace("target:\n", "target:\n  path_template: '../{schema}/{table}'\n"))
+    result = _cli("validate", str(config))
+    assert result.returncode != 0 and "target.path_template" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and s3.secret_key not in result.stderr
+    assert not os.path.exists(tmp_path / "s3a:")
