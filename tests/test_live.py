@@ -10,6 +10,7 @@ import pytest
 
 from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.config import parse_config
+from cdc_apply.lake.location import Location
 from cdc_apply.live import BackgroundReplicator
 from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgserver import PgServer, available_bindirs
@@ -32,10 +33,12 @@ def wait_for_slot(conninfo: str, slot: str, timeout: float = 180) -> None:
             time.sleep(0.1)
 
 
-def assert_delta_equals_postgres(spark, conn, warehouse: str) -> None:  # type: ignore[no-untyped-def]
+def assert_delta_equals_postgres(spark, conn, warehouse: str, storage=None) -> None:  # type: ignore[no-untyped-def]
+    """``storage``: how delta-rs reaches an object store's warehouse."""
     for name, columns in TABLES.items():
         truth = postgres_rows(conn, name, columns)
-        got = delta_rows(spark, f"{warehouse}/{name.replace('.', '/')}", columns, source_types(conn, name))
+        got = delta_rows(spark, str(Location.parse(warehouse).child(*name.split("."))), columns,
+                         source_types(conn, name), storage=storage)
         assert got == truth, f"{name}: {len(got)} rows in Delta, {len(truth)} in PostgreSQL"
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import psycopg
@@ -151,3 +152,70 @@ def test_a_path_template_that_would_leave_an_s3_warehouse_is_refused(s3, tmp_pat
     assert result.returncode != 0 and "target.path_template" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and s3.secret_key not in result.stderr
     assert not os.path.exists(tmp_path / "s3a:")
+
+
+S3_CRASH_KILLS = 6  # after the follow drill's 4 failpoint kills: 10 restarts
+
+
+@pytest.mark.crash
+@pytest.mark.timeout(1800)
+def test_kill_9_of_run_follow_under_load_with_the_warehouse_on_s3(db18, spark, s3, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The follow drill (tests/test_crash.py) with every target and the state in the bucket: 0 lost,
+    0 applied twice after each of 10 kills, and every table equal to PostgreSQL."""
+    from cdc_apply.bench.crash import CrashDrill, load_table_differences
+    from tests.test_live import assert_delta_equals_postgres
+
+    _use_store(spark, s3)
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    drill = CrashDrill("follow", conninfo, tmp_path, kills=S3_CRASH_KILLS, seed=54, warehouse_uri="s3a://lake/crash",
+                       spark_conf=s3.spark_conf())
+    drill.run()
+    assert not drill.problems, drill.problems
+    assert drill.failpoint_kills + drill.random_kills == 10
+    assert drill.load is not None and drill.load.committed > 30
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        assert_delta_equals_postgres(spark, conn, drill.warehouse, storage=s3.storage())
+        assert load_table_differences(spark, conn, drill.warehouse) == {}
+    assert not (tmp_path / "wh").exists()
+
+
+@pytest.mark.spark
+def test_run_follow_rides_out_the_s3_server_stopped_mid_stream(db18, spark, s3, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The store goes away for 8 s under load: S3A retries the writes (its retry policy), the slot is
+    not confirmed while nothing can become durable, and when the store is back the pipeline carries on
+    with nothing lost and nothing applied twice."""
+    from cdc_apply.bench.crash import confirmed_lsn, lost_from_targets
+    from cdc_apply.bench.load import Load, create_schema
+    from cdc_apply.live import BackgroundReplicator
+    from cdc_apply.sources.slot import wait_until_caught_up
+    from tests.test_live import assert_delta_equals_postgres, wait_for_slot
+
+    _use_store(spark, s3)
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = "s3a://lake/outage"
+    config = parse_config({"pipeline": "outage", "source": {"dsn": conninfo, "slot": "crash", "publication": "load"},
+                           "target": {"warehouse": warehouse}, "batching": {"max_seconds": 1, "max_changes": 5000},
+                           "spark": s3.spark_conf()})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        create_schema(conn, "load")
+        with BackgroundReplicator(config, spark) as follower:
+            wait_for_slot(conninfo, "crash")
+            load = Load(conninfo, sessions=2, rate_per_session=20, big_every=0).start()
+            time.sleep(6)
+            s3.stop()
+            try:
+                time.sleep(2)  # a commit under way when the store went settles (it cannot finish)
+                during = confirmed_lsn(conn)
+                time.sleep(6)
+                assert confirmed_lsn(conn) == during, "the slot moved while the store was down"
+            finally:
+                s3.start()
+            time.sleep(4)
+            load.finish()
+            wait_until_caught_up(conninfo, "crash", timeout=300)
+            assert follower.thread.is_alive(), follower.error
+        assert not lost_from_targets(conn, load, warehouse, s3.storage())
+        assert load.committed > 100
+        assert_delta_equals_postgres(spark, conn, warehouse, storage=s3.storage())

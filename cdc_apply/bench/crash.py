@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,6 +42,8 @@ import psycopg
 
 from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.lake.location import Location, Storage
+from cdc_apply.lake.state import STATE_DIRECTORY
 from cdc_apply.lsn import parse_lsn
 from cdc_apply.sources.slot import wait_until_caught_up
 
@@ -107,15 +109,18 @@ class DrillFailed(CdcApplyError):
     end of the jobs' log."""
 
 
-def crash_config(directory: Path, conninfo: str, mode: str, cli_settings: bool = False) -> tuple[Path, str, Path]:
+def crash_config(directory: Path, conninfo: str, mode: str, cli_settings: bool = False,
+                 warehouse: str | None = None, spark_conf: Mapping[str, str] | None = None) -> tuple[Path, str, Path]:
     """(config file, warehouse, jobs' log) of the pipeline ``crash`` on slot ``crash`` in ``mode``;
-    ``cli_settings``: every other key at its default, as a user's config would leave it."""
-    warehouse = str(directory / "wh")
+    ``cli_settings``: every other key at its default, as a user's config would leave it. ``warehouse``:
+    another than ``directory/wh`` (an object store's, reached with ``spark_conf``)."""
+    warehouse = warehouse or str(directory / "wh")
     config = directory / "crash.yaml"
     # Each job lives seconds before its kill: a JIT that compiles less starts it about a third faster.
-    sections: dict[str, object] = {"spark": {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"}}
+    sections: dict[str, object] = {"spark": {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
+                                             **(spark_conf or {})}}
     if cli_settings:
-        sections = {}
+        sections = {"spark": dict(spark_conf)} if spark_conf else {}
     elif mode == "stream":
         sections["stream"] = {"interval_seconds": 0.5, "max_changes_per_trigger": 20000}
     else:
@@ -133,8 +138,8 @@ def confirmed_lsn(conn: psycopg.Connection) -> int:
     return parse_lsn(row[0])
 
 
-def _delta_rs(path: Path, columns: list[str]) -> pa.Table | None:
-    """``columns`` of the Delta table at ``path`` read by delta-rs, or None before its first commit."""
+def _delta_rs(location: Location, columns: list[str], storage: Storage) -> pa.Table | None:
+    """``columns`` of the Delta table at ``location`` read by delta-rs, or None before its first commit."""
     import pyarrow as pa
 
     try:
@@ -142,18 +147,18 @@ def _delta_rs(path: Path, columns: list[str]) -> pa.Table | None:
         from deltalake.exceptions import TableNotFoundError
     except ImportError as exc:
         raise SystemExit("bench crash reads Delta with delta-rs: pip install 'cdc_apply[bench]'") from exc
-    if not (path / "_delta_log").exists():
+    if location.local and not (location.path() / "_delta_log").exists():
         return None
     try:
-        table = DeltaTable(str(path))
+        table = DeltaTable(storage.delta_rs_uri(location), storage_options=storage.delta_rs_options(location))
     except TableNotFoundError:  # the log's directory made, its first commit not yet
         return None
     return pa.RecordBatchReader.from_stream(table.scan(columns=columns)).read_all()
 
 
-def ledger_seqs(warehouse: str) -> set[int]:
+def ledger_seqs(warehouse: str, storage: Storage | None = None) -> set[int]:
     """The ``seq`` of every ``ledger`` row in Delta."""
-    table = _delta_rs(Path(warehouse) / "public" / "ledger", ["seq"])
+    table = _delta_rs(Location.parse(warehouse).child("public", "ledger"), ["seq"], storage or Storage())
     return set() if table is None else set(table.column("seq").to_pylist())
 
 
@@ -162,19 +167,19 @@ def _covered(conn: psycopg.Connection, load: Load) -> set[int]:
     return {seq for seq, lsn in dict(load.ledger_lsns).items() if lsn <= confirmed}
 
 
-def lost_from_targets(conn: psycopg.Connection, load: Load, warehouse: str) -> list[str]:
+def lost_from_targets(conn: psycopg.Connection, load: Load, warehouse: str, storage: Storage) -> list[str]:
     """Problems after a kill: transactions the slot's confirmed position covers that no target holds."""
-    missing = _covered(conn, load) - ledger_seqs(warehouse)
+    missing = _covered(conn, load) - ledger_seqs(warehouse, storage)
     return [f"slot confirmed past {len(missing)} transactions Delta does not hold: {sorted(missing)[:5]}"] \
         if missing else []
 
 
-def lost_from_the_log(conn: psycopg.Connection, load: Load, warehouse: str) -> list[str]:
+def lost_from_the_log(conn: psycopg.Connection, load: Load, warehouse: str, storage: Storage) -> list[str]:
     """Problems after a kill under ``confirm_after: changelog``: covered transactions the change log
     does not hold, and any change the log holds twice."""
     covered = _covered(conn, load)
-    rows = _delta_rs(Path(warehouse) / "_cdc_apply" / "changelog",
-                     ["commit_lsn", "xid", "seq", "relation_oid", "table", "op", "new"])
+    rows = _delta_rs(Location.parse(warehouse).child(STATE_DIRECTORY, "changelog"),
+                     ["commit_lsn", "xid", "seq", "relation_oid", "table", "op", "new"], storage)
     problems = []
     logged: set[int] = set()
     if rows is not None:
@@ -190,7 +195,7 @@ def lost_from_the_log(conn: psycopg.Connection, load: Load, warehouse: str) -> l
     return problems
 
 
-Check = Callable[[psycopg.Connection, Load, str], list[str]]
+Check = Callable[[psycopg.Connection, Load, str, Storage], list[str]]
 CHECKS: dict[str, Check] = {"follow": lost_from_targets, "stream": lost_from_targets, "changelog": lost_from_the_log}
 
 
@@ -210,11 +215,15 @@ class CrashDrill:
     random_kills: int = 0
     load: Load | None = None
     progress: Callable[[str], None] | None = None  # told of each kill (the bench prints it)
+    warehouse_uri: str | None = None  # an object store's warehouse instead of directory/wh ...
+    spark_conf: Mapping[str, str] = field(default_factory=dict)  # ... and how to reach it
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown crash mode {self.mode!r} (one of {', '.join(MODES)})")
-        self.config, self.warehouse, self.log = crash_config(self.directory, self.conninfo, self.mode)
+        self.config, self.warehouse, self.log = crash_config(self.directory, self.conninfo, self.mode,
+                                                             warehouse=self.warehouse_uri, spark_conf=self.spark_conf)
+        self.storage = Storage.from_spark_conf(self.spark_conf)
         self.check = CHECKS[self.mode]
 
     def job(self, kill: int = 0, failpoint: str | None = None) -> Job:
@@ -266,7 +275,7 @@ class CrashDrill:
 
     def _check(self, conn: psycopg.Connection, after: str) -> None:
         assert self.load is not None
-        self.problems.extend(f"after {after}: {problem}" for problem in self.check(conn, self.load, self.warehouse))
+        self.problems.extend(f"after {after}: {problem}" for problem in self.check(conn, self.load, self.warehouse, self.storage))
 
     def _kill_at_random_points(self, conn: psycopg.Connection) -> None:
         rng = random.Random(self.seed)
@@ -310,8 +319,9 @@ class CrashDrill:
         from cdc_apply.apply.delta_log import writer_versions
         from cdc_apply.lake.state import AppliedPosition, PipelineState
 
-        log_version = writer_versions(Path(self.warehouse) / "_cdc_apply" / "changelog")[f"{PIPELINE}/changelog"].version
-        position = AppliedPosition(PipelineState.at(self.warehouse, PIPELINE))
+        log = Location.parse(self.warehouse).child(STATE_DIRECTORY, "changelog")
+        log_version = writer_versions(log, self.storage)[f"{PIPELINE}/changelog"].version
+        position = AppliedPosition(PipelineState.at(self.warehouse, PIPELINE, self.storage))
         deadline = time.monotonic() + timeout
         while (position.read() or 0) < log_version:
             if time.monotonic() > deadline:
@@ -322,7 +332,7 @@ class CrashDrill:
         """SIGTERM then stops the query after its running micro-batch, which writes every table."""
         assert self.load is not None
         deadline = time.monotonic() + timeout
-        while not ledger_seqs(self.warehouse) >= set(self.load.ledger_lsns):
+        while not ledger_seqs(self.warehouse, self.storage) >= set(self.load.ledger_lsns):
             if time.monotonic() > deadline:
                 raise DrillFailed(f"the targets did not hold every committed transaction in {timeout} s")
             time.sleep(1)
@@ -348,7 +358,7 @@ def load_table_differences(spark: SparkSession, conn: psycopg.Connection, wareho
         select = ", ".join(f'(extract(epoch FROM "{c}") * 1000000)::bigint::text' if types[c].startswith("timestamp")
                            else f'"{c}"::text' for c in columns)
         truth = sorted((tuple(row) for row in conn.execute(f'SELECT {select} FROM "{schema}"."{table}"')), key=repr)
-        frame = spark.read.format("delta").load(f"{warehouse}/{schema}/{table}")
+        frame = spark.read.format("delta").load(str(Location.parse(warehouse).child(schema, table)))
         got = sorted((tuple(row) for row in frame.select(*[
             (F.unix_micros(F.col(c)) if types[c].startswith("timestamp") else F.col(c)).cast("string")
             for c in columns]).collect()), key=repr)
@@ -364,8 +374,8 @@ def report(drill: CrashDrill, spark: SparkSession, conn: psycopg.Connection, sec
     assert drill.load is not None
     differences = load_table_differences(spark, conn, drill.warehouse)
     journal_pg = conn.execute("SELECT count(*) FROM journal").fetchone()[0]  # type: ignore[index]
-    journal_delta = spark.read.format("delta").load(f"{drill.warehouse}/public/journal").count()
-    lost = len(set(drill.load.ledger_lsns) - ledger_seqs(drill.warehouse))
+    journal_delta = spark.read.format("delta").load(str(Location.parse(drill.warehouse).child("public", "journal"))).count()
+    lost = len(set(drill.load.ledger_lsns) - ledger_seqs(drill.warehouse, drill.storage))
     result = {"failpoint_kills": drill.failpoint_kills, "random_kills": drill.random_kills,
               "committed": drill.load.committed, "lost": lost, "applied_twice": max(0, journal_delta - journal_pg),
               "problems_after_kills": len(drill.problems), "tables_differing": len(differences)}

@@ -41,7 +41,10 @@ def spark_hadoop_version() -> str:
     """The Hadoop client version pyspark ships (``jars/hadoop-client-api-<version>.jar``)."""
     import pyspark
 
-    found = sorted(Path(pyspark.__file__).parent.joinpath("jars").glob("hadoop-client-api-*.jar"))
+    # pip's pyspark keeps its jars beside it; under spark-submit pyspark is imported from a zip and
+    # the jars are in SPARK_HOME
+    homes = [Path(pyspark.__file__).parent, *([Path(os.environ["SPARK_HOME"])] if "SPARK_HOME" in os.environ else [])]
+    found = sorted(jar for home in homes for jar in home.joinpath("jars").glob("hadoop-client-api-*.jar"))
     if not found:
         raise RuntimeError("pyspark ships no hadoop-client-api jar: cannot tell which hadoop-aws matches it")
     return found[-1].name[len("hadoop-client-api-"):-len(".jar")]
