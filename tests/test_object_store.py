@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psycopg
@@ -26,7 +27,8 @@ from tests.delta_oracle import delta_rows, source_types
 from tests.reference_apply import postgres_rows
 from tests.test_decode_cli import _cli
 
-TABLES = {"public.orders": ["id", "amount", "note"], "public.events": ["id", "kind"], "public.logbook": ["line"]}
+TABLES = {"public.orders": ["id", "amount", "note"], "public.events": ["id", "kind"], "public.logbook": ["line"],
+          "public.later": ["id", "v"]}
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +38,12 @@ def s3():  # type: ignore[no-untyped-def]
         yield server
 
 
-def _config(server, dbname: str, s3: S3Server, pipeline: str, warehouse: str):  # type: ignore[no-untyped-def]
+def _config(server, dbname: str, s3: S3Server, pipeline: str, warehouse: str,  # type: ignore[no-untyped-def]
+            changelog: bool = False):
     return parse_config({"pipeline": pipeline,
                          "source": {"dsn": server.conninfo(dbname), "slot": pipeline, "create_publication": True},
                          "target": {"warehouse": warehouse}, "defaults": {"schema_policy": "evolve"},
-                         "spark": s3.spark_conf()})
+                         "changelog": {"enabled": changelog}, "spark": s3.spark_conf()})
 
 
 def _use_store(spark, s3: S3Server) -> None:  # type: ignore[no-untyped-def]
@@ -49,8 +52,8 @@ def _use_store(spark, s3: S3Server) -> None:  # type: ignore[no-untyped-def]
         spark.conf.set(key.removeprefix("spark.hadoop."), value)
 
 
-def _assert_equal(spark, conn, warehouse: str, s3: S3Server) -> None:  # type: ignore[no-untyped-def]
-    for name, columns in TABLES.items():
+def _assert_equal(spark, conn, warehouse: str, s3: S3Server, tables=TABLES) -> None:  # type: ignore[no-untyped-def]
+    for name, columns in tables.items():
         truth = postgres_rows(conn, name, columns)
         path = str(Location.parse(warehouse).under(name.replace(".", "/")))
         got = delta_rows(spark, path, columns, source_types(conn, name), storage=s3.storage())
@@ -59,7 +62,11 @@ def _assert_equal(spark, conn, warehouse: str, s3: S3Server) -> None:  # type: i
 
 @pytest.mark.spark
 def test_copy_and_stream_into_a_warehouse_on_s3(pg18, spark, s3, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from cdc_apply.apply.options import apply_options
+    from cdc_apply.changelog import ChangeLogError
     from cdc_apply.pipeline import drain
+    from cdc_apply.replay import replay_changelog
+    from cdc_apply.resync import published_oids, resync
     from cdc_apply.status import pipeline_status
 
     _use_store(spark, s3)
@@ -67,7 +74,7 @@ def test_copy_and_stream_into_a_warehouse_on_s3(pg18, spark, s3, tmp_path, monke
     warehouse = "s3a://lake/wh"
     databases = fresh_database(pg18)
     server, dbname = next(databases)
-    config = _config(server, dbname, s3, "orders_db", warehouse)
+    config = _config(server, dbname, s3, "orders_db", warehouse, changelog=True)
     with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
         conn.execute("CREATE TABLE orders (id int PRIMARY KEY, amount numeric(10,2))")
         conn.execute("CREATE TABLE events (id bigint PRIMARY KEY, kind text)")
@@ -75,6 +82,7 @@ def test_copy_and_stream_into_a_warehouse_on_s3(pg18, spark, s3, tmp_path, monke
         conn.execute("INSERT INTO orders SELECT g, g * 1.5 FROM generate_series(1, 200) g")
         conn.execute("INSERT INTO events SELECT g, 'e' || g FROM generate_series(1, 50) g")
         conn.execute("INSERT INTO logbook VALUES ('first'), ('first')")
+        conn.execute("CREATE TABLE later (id int PRIMARY KEY, v text)")  # empty at the copy: all its rows in the log
         first = drain(config, spark)  # copies the three tables
         assert sorted(s.table for s in first.snapshots) == sorted(TABLES)
 
@@ -85,15 +93,32 @@ def test_copy_and_stream_into_a_warehouse_on_s3(pg18, spark, s3, tmp_path, monke
         conn.execute("TRUNCATE events")
         conn.execute("INSERT INTO events VALUES (7, 'after the truncate')")
         conn.execute("INSERT INTO logbook VALUES ('second')")
+        conn.execute("INSERT INTO later SELECT g, 'v' || g FROM generate_series(1, 30) g")
+        conn.execute("UPDATE later SET v = 'changed' WHERE id % 4 = 0")
         second = drain(config, spark)
         assert second.batches
+        _assert_equal(spark, conn, warehouse, s3)
+
+        # The change log, in the bucket, rebuilds a table elsewhere in it. On an object store a copy's
+        # rows stay out of the log (its files take Delta's writer), so a copied table is refused.
+        rebuilt = replace(apply_options(config), warehouse="s3a://lake/rebuilt")
+        replay_changelog(spark, config, rebuilt, table="public.later")
+        _assert_equal(spark, conn, rebuilt.warehouse, s3, {"public.later": TABLES["public.later"]})
+        with pytest.raises(ChangeLogError, match="a copy's rows are not in the change log s3a://lake/wh/"):
+            replay_changelog(spark, config, rebuilt, table="public.orders")
+        # A resync copies a table again (its mark in the bucket while it runs), under new changes.
+        conn.execute("UPDATE orders SET note = 'resynced' WHERE id < 5")
+        resync(config, spark, published_oids(config, ["public.orders"]))
+        drain(config, spark)
         _assert_equal(spark, conn, warehouse, s3)
 
     storage = s3.storage()
     state = PipelineState.at(warehouse, config.pipeline, storage)
     registry = TargetRegistry(state).entries()
+    assert status_has_changelog(pipeline_status(config))
     assert sorted(e["location"] for e in registry.values()) == [
-        "s3a://lake/wh/public/events", "s3a://lake/wh/public/logbook", "s3a://lake/wh/public/orders"]
+        "s3a://lake/wh/public/events", "s3a://lake/wh/public/later", "s3a://lake/wh/public/logbook",
+        "s3a://lake/wh/public/orders"]
     assert (s3.root / "lake" / "wh" / "_cdc_apply" / "targets" / "orders_db.json").exists()
     assert not any(p.name.startswith("s3a") for p in Path(tmp_path).rglob("*")), "state written to the local disk"
     status = pipeline_status(config)
@@ -120,6 +145,11 @@ def test_copy_and_stream_into_a_warehouse_on_s3(pg18, spark, s3, tmp_path, monke
         drain(clash, spark)
     with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
         _assert_equal(spark, conn, warehouse, s3)  # the first pipeline's targets untouched
+
+
+def status_has_changelog(status: dict) -> bool:  # type: ignore[type-arg]
+    """`status` read the change log's position from the bucket."""
+    return status["changelog"]["lsn"] is not None and status["changelog"]["location"].startswith("s3a://lake/wh/")
 
 
 def _write_config(path: Path, s3: S3Server, warehouse: str, **spark: str) -> Path:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cdc_apply.bench.store import object_store
+
 
 def run_bench(name: str, args: argparse.Namespace) -> int:
     if name == "decode":
@@ -20,8 +22,10 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     if name == "e2e":
         from cdc_apply.bench.e2e import bench_e2e
 
-        bench_e2e(seconds=args.seconds, rate=args.rate, sessions=args.sessions, parallel_tables=args.parallel_tables,
-                  capacity_steps=args.capacity_steps, changelog=args.changelog)
+        with object_store(args.warehouse, args.config) as store:
+            bench_e2e(seconds=args.seconds, rate=args.rate, sessions=args.sessions,
+                      parallel_tables=args.parallel_tables, capacity_steps=args.capacity_steps,
+                      changelog=args.changelog, store=store)
         return 0
     if name == "memory":
         from cdc_apply.bench.memory import bench_memory
@@ -46,7 +50,8 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     if name == "snapshot":
         from cdc_apply.bench.snapshot import bench_snapshot
 
-        bench_snapshot(rows=args.rows or 2_000_000, changelog=args.changelog)
+        with object_store(args.warehouse, args.config) as store:
+            bench_snapshot(rows=args.rows or 2_000_000, changelog=args.changelog, store=store)
         return 0
     if name == "restart":
         from cdc_apply.bench.restart import bench_restart

@@ -25,6 +25,7 @@ from cdc_apply.live import BackgroundReplicator
 from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgoutput.decoder import PgOutputDecoder
 from cdc_apply.pgoutput.framing import XLogData
+from cdc_apply.bench.store import ObjectStore
 from cdc_apply.pgserver import PgServer
 from cdc_apply.sources.preflight import protocol_options
 from cdc_apply.sources.slot import create_slot, server_version_num, wait_until_caught_up
@@ -183,13 +184,17 @@ def prepared(server: PgServer, slot: str, parallel_tables: int) -> Config:
 
 
 def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, parallel_tables: int = 4,
-              capacity_steps: int = 4, changelog: bool = False, spark: SparkSession | None = None) -> dict[str, float]:
+              capacity_steps: int = 4, changelog: bool = False, spark: SparkSession | None = None,
+              store: ObjectStore | None = None) -> dict[str, float]:
     """``changelog``: the steady load and the backlog are run again with ``changelog.confirm_after:
     changelog`` (same server, slot and targets), and both are reported side by side. ``spark``: a
-    session to run in (a test's), else a new one."""
-    phases = 4 if changelog else 3
+    session to run in (a test's), else a new one. ``store``: the steady load again with the warehouse
+    on that object store (same server and slot, new targets)."""
+    phases = 3 + changelog + (store is not None)
     with PgServer() as server:
         config = prepared(server, "bench", parallel_tables)
+        if store is not None:
+            config = config.model_copy(update={"spark": {**config.spark, **store.spark_conf}})
         with session_for(spark, config.spark) as spark:
 
             print(f"1/{phases} steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming, "
@@ -214,6 +219,15 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
             }
             if changelog:
                 result.update(_changelog_phases(server, with_changelog(config), spark, seconds, rate, sessions, phases))
+            if store is not None:
+                print(f"{phases - 1}/{phases} the steady load again, the warehouse on {store.warehouse} ...", flush=True)
+                # New targets that take the changes from now on: no copy of what the local ones hold.
+                on_store = config.model_copy(update={
+                    "target": config.target.model_copy(update={"warehouse": store.under("e2e")}),
+                    "snapshot": config.snapshot.model_copy(update={"enabled": False})})
+                _, stored = steady_follow(server, on_store, spark, seconds, rate, sessions, seed=3, first=False)
+                result["store_lag_p50_s"] = stored.lag_percentile(0.5) or 0.0
+                result["store_lag_p99_s"] = stored.lag_percentile(0.99) or 0.0
             held = 0.0
             if capacity_steps:
                 print(f"{phases}/{phases} capacity: the steady rate doubled from {rate:g} tx/s per session until the "
@@ -234,6 +248,10 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
           f"ratio {result['ratio_catchup_to_delivery']:.3f}x (goal >= 0.4x)")
     if changelog:
         _print_changelog(result)
+    if store is not None:
+        print(f"  on the object store    lag p50 {result['store_lag_p50_s']:.2f} s, p99 {result['store_lag_p99_s']:.2f} s; "
+              f"p99 on the store ÷ on the local disk {result['store_lag_p99_s'] / max(result['lag_p99_s'], 1e-9):.2f}x "
+              "(goal <= 1.5x)")
     if capacity_steps:
         print(f"  capacity (p99 <= {CAPACITY_LAG_S:g} s) {held:>10,.0f} changes/s  "
               f"ratio {result['ratio_capacity_to_delivery']:.3f}x (goal >= 0.25x)")

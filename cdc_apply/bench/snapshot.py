@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import psycopg
 
+from cdc_apply.bench.store import ObjectStore
 from cdc_apply.pgserver import PgServer
 
 LINEITEM = """
@@ -56,9 +57,11 @@ FROM generate_series(%s::bigint, %s::bigint) g
 FILL_STEP = 500_000
 # cdc_apply's copies in every round: snapshot.file_writer tasks and delta, and with --changelog the
 # tasks' copy again with the change log on (its tasks write each range's rows into the log too).
-VARIANTS: dict[str, tuple[str, bool]] = {"tasks": ("tasks", False), "delta": ("delta", False), "logged": ("tasks", True)}
+VARIANTS: dict[str, tuple[str, bool]] = {"tasks": ("tasks", False), "delta": ("delta", False), "logged": ("tasks", True),
+                                         "store": ("tasks", False)}
 LABELS = {"raw": "raw COPY read", "spark": "hand-written Spark copy", "tasks": "cdc_apply's copy",
-          "delta": "  with Delta's writer", "logged": "  with the change log"}  # the report's lines, in order
+          "delta": "  with Delta's writer", "logged": "  with the change log",
+          "store": "  on the object store"}  # the report's lines, in order
 
 
 def create_lineitem(conn: psycopg.Connection, rows: int) -> None:
@@ -134,10 +137,12 @@ def _timed(what: str, run: Callable[[], int]) -> tuple[int, float]:
 
 
 def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped-def]
-                   snapshot: dict[str, object] | None = None, changelog: bool = False) -> dict[str, float]:
+                   snapshot: dict[str, object] | None = None, changelog: bool = False,
+                   store: ObjectStore | None = None) -> dict[str, float]:
     """``spark``: a session to use (and leave running); None builds one and stops it at the end.
     ``snapshot``: the config's ``snapshot`` section for cdc_apply's copy (default: the defaults).
-    ``changelog``: also the tasks' copy with ``changelog.enabled``, whose log must hold every row."""
+    ``changelog``: also the tasks' copy with ``changelog.enabled``, whose log must hold every row.
+    ``store``: also the copy into a warehouse on that object store (``--warehouse``)."""
     from cdc_apply.apply.batch import BatchApplier
     from cdc_apply.apply.options import apply_options
     from cdc_apply.changelog import ChangeLog
@@ -154,11 +159,14 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
             conn.execute("CREATE PUBLICATION bench FOR TABLE lineitem")
             size = conn.execute("SELECT pg_size_pretty(pg_table_size('lineitem'))").fetchone()[0]  # type: ignore[index]
         warehouse = tempfile.mkdtemp(prefix="cdc_apply_bench_snapshot_")
-        variants = {name: variant for name, variant in VARIANTS.items() if changelog or not variant[1]}
+        variants = {name: variant for name, variant in VARIANTS.items()
+                    if (changelog or not variant[1]) and (store is not None or name != "store")}
         configs = [{name: parse_config({"pipeline": f"bench{round_}{name}", "source": {
             "dsn": server.dsn, "slot": f"bench{round_}{name}", "publication": "bench"},
-            "target": {"warehouse": f"{warehouse}/round{round_}{name}"}, "changelog": {"enabled": logged},
-            "snapshot": {**(snapshot or {}), "file_writer": writer}}) for name, (writer, logged) in variants.items()}
+            "target": {"warehouse": store.under(f"round{round_}{name}") if name == "store" and store
+                       else f"{warehouse}/round{round_}{name}"},
+            "changelog": {"enabled": logged}, "snapshot": {**(snapshot or {}), "file_writer": writer},
+            "spark": store.spark_conf if store else {}}) for name, (writer, logged) in variants.items()}
             for round_ in (1, 2)]
         with session_for(spark, configs[0]["tasks"].spark) as spark:
             with psycopg.connect(server.dsn, autocommit=True) as conn:
@@ -214,10 +222,15 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
               f"cdc_apply ÷ hand-written Spark copy {rates['tasks'] / rates['spark']:.2f}x (goal >= 3x); "
               f"files written by the tasks ÷ by Delta's writer {rates['tasks'] / rates['delta']:.2f}x"
               + (f"; with the change log ÷ without {rates['logged'] / rates['tasks']:.2f}x" if "logged" in rates else ""))
+        if "store" in rates:
+            print(f"  {label}: on the object store ÷ on the local disk {rates['store'] / rates['tasks']:.2f}x (goal >= "
+                  f"0.5x; Delta's writer there), ÷ Delta's writer on the local disk {rates['store'] / rates['delta']:.2f}x")
     result = {"product_over_raw": warm["tasks"] / warm["raw"], "product_over_spark": warm["tasks"] / warm["spark"],
               "first_product_over_raw": first["tasks"] / first["raw"],
               "first_product_over_spark": first["tasks"] / first["spark"], "driver_peak_rss_mb": rss.peak / 2**20,
               "tasks_over_delta_writer": warm["tasks"] / warm["delta"]}
     if "logged" in warm:
         result["logged_over_tasks"] = warm["logged"] / warm["tasks"]
+    if "store" in warm:
+        result["store_over_local"] = warm["store"] / warm["tasks"]
     return result
