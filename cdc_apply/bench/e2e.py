@@ -225,7 +225,7 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
                 on_store = config.model_copy(update={
                     "target": config.target.model_copy(update={"warehouse": store.under("e2e")}),
                     "snapshot": config.snapshot.model_copy(update={"enabled": False})})
-                _, stored = steady_follow(server, on_store, spark, seconds, rate, sessions, seed=3, first=False)
+                _, stored = steady_follow(server, on_store, spark, seconds, rate, sessions, seed=7, first=False)
                 result["store_lag_p50_s"] = stored.lag_percentile(0.5) or 0.0
                 result["store_lag_p99_s"] = stored.lag_percentile(0.99) or 0.0
             held = 0.0
