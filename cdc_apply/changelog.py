@@ -43,7 +43,7 @@ from cdc_apply.apply.targets import FileAppend, KnownVersionAppend, Target, sql_
 from cdc_apply.assemble import SpilledChanges, Transaction
 from cdc_apply.config import Config
 from cdc_apply.errors import CdcApplyError
-from cdc_apply.lake.location import Location
+from cdc_apply.lake.location import Location, Storage
 from cdc_apply.lake.state import STATE_DIRECTORY
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.pgoutput import messages as m
@@ -108,6 +108,7 @@ class ChangeLog:
         self.pipeline = config.pipeline
         self.app_id = f"{config.pipeline}/changelog"
         self.target = changelog_target(spark, config, warehouse)
+        self.storage = Storage.from_spark_conf(config.spark)  # the log's own files reach its store with it
         self._version: int | None = None
         self._ready = False
         self.piece_bytes = min(LOG_PIECE_BYTES, config.batching.spill_bytes)
@@ -171,7 +172,7 @@ class ChangeLog:
                 return 0
         version = transactions[-1].commit_lsn
         read_at = self.target.log_version()
-        files = self.target.open_file_append(("relation_oid",), self.app_id, read_at)
+        files = self.target.open_file_append(("relation_oid",), self.app_id, read_at, storage=self.storage)
         if files is not None and self._takes_layout(files.fields):
             written = self._write_files(files, transactions)
             rows = sum(file.rows for file in written)
@@ -245,7 +246,7 @@ class ChangeLog:
                     rows = batch if len(oids) == 1 else batch.filter(pc.equal(batch["relation_oid"], oid))
                     by_relation.setdefault(oid, []).append(rows.drop_columns(["relation_oid"]))
             for oid, group in by_relation.items():
-                if (file := write_log_file(self.target.local_root, oid, group)) is not None:
+                if (file := write_log_file(self.target.file_root(self.storage), oid, group)) is not None:
                     written.append(file)
         return written
 
@@ -285,10 +286,10 @@ class ChangeLog:
     def copy_log(self, relation: m.Relation, version: int, commit_ts: int, seqs: int) -> CopyLog | None:
         """Where an attempt at copying ``relation`` at ``version`` (commit time ``commit_ts``) puts its rows
         in the log, needing ``seqs`` seqs; its Truncate row is committed first. None when the copy
-        cannot be logged: a log that takes only Delta's writer (by catalog name, on object storage),
-        or too many rows for the int32 ``seq`` column."""
+        cannot be logged: a log that takes only Delta's writer (by catalog name), or too many rows for
+        the int32 ``seq`` column."""
         self.ensure()
-        files = self.target.open_file_append(("relation_oid",))
+        files = self.target.open_file_append(("relation_oid",), storage=self.storage)
         if files is None or not self._takes_layout(files.fields):
             return None
         frame = self.target.read()
@@ -300,7 +301,7 @@ class ChangeLog:
                         "past the int32 column's %d (a rebuild of this table from the log is refused)",
                         relation.namespace, relation.name, first + seqs, MAX_SEQ)
             return None
-        copy = CopyLog(self.target.local_root, relation, version, commit_ts, first)
+        copy = CopyLog(self.target.file_root(self.storage), relation, version, commit_ts, first)
         truncate = copy.write([copy.truncate()])
         assert truncate is not None
         self.commit_copy([truncate], relation, version, files)
@@ -310,7 +311,7 @@ class ChangeLog:
                     files: FileAppend | None = None) -> None:
         """Files of a copy's rows (``CopyLog``) in one commit of the log, without the batches' version:
         whether the log holds a copy is recorded by ``record_copy(logged=True)`` once it ends."""
-        files = files or self.target.open_file_append(("relation_oid",))
+        files = files or self.target.open_file_append(("relation_oid",), storage=self.storage)
         if files is None:
             raise ChangeLogError(f"{self.target.location}: the change log no longer takes files written outside "
                                  f"Delta's writer; the copy of {relation.namespace}.{relation.name} stops")

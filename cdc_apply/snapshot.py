@@ -296,7 +296,8 @@ class Snapshotter:
                                        "copy": {**copy.progress, "after": [wave[-1].source, wave[-1].end_page]}},
                                       sort_keys=True)
                 # A resumed copy merges by key; any other writes its files in the tasks where it can.
-                files = None if copy.resumed or settings.file_writer == "delta" else target.open_file_append()
+                files = None if copy.resumed or settings.file_writer == "delta" else \
+                    target.open_file_append(storage=self.applier.options.storage)
                 if files is None and copy.log is not None:
                     log.warning("%s: the target takes only Delta's writer, so the copy's rows are not written to the "
                                 "change log (a rebuild of this table from the log is refused)", table.qualified_name)
@@ -307,7 +308,8 @@ class Snapshotter:
                                                      state.keys if copy.resumed else ())
                     else:
                         written = self._commit_files(files, spark, replace(
-                            job, files_root=target.local_root, physical_columns=files.physical_columns, log=copy.log),
+                            job, files_root=target.file_root(self.applier.options.storage),
+                            physical_columns=files.physical_columns, log=copy.log),
                             wave, tasks, metadata)
                 rows += written
                 advance(written)

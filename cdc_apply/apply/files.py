@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cdc_apply.lake.location import FileRoot
+
 
 @dataclass(frozen=True)
 class WrittenFile:
@@ -37,7 +39,7 @@ def new_file_name(task: int) -> str:
     return f"part-{task:05d}-{uuid.uuid4()}-c000.snappy.parquet"
 
 
-def write_parquet_file(root: str, path: str, batches: Iterable[pa.RecordBatch],
+def write_parquet_file(root: str | FileRoot, path: str, batches: Iterable[pa.RecordBatch],
                        physical_columns: Mapping[str, tuple[str, int | None]] | None = None,
                        partition_values: Mapping[str, str] | None = None,
                        statistics: Sequence[str] | None = None,
@@ -47,16 +49,19 @@ def write_parquet_file(root: str, path: str, batches: Iterable[pa.RecordBatch],
 
 
 class ParquetFile:
-    """One new snappy Parquet file at ``path`` under the table's ``root``, written a batch at a time,
+    """One new snappy Parquet file at ``path`` under the table's ``root`` (a local directory, or one on an
+    object store with the storage to reach it: ``FileRoot``), written a batch at a time,
     each column under its physical name and field id (column mapping: ``physical_columns``); no
     file is left when no batch had rows. ``statistics`` and ``dictionary``: the Parquet column paths
     that get min/max statistics and dictionary encoding (None: every column)."""
 
-    def __init__(self, root: str, path: str, physical_columns: Mapping[str, tuple[str, int | None]] | None = None,
+    def __init__(self, root: str | FileRoot, path: str,
+                 physical_columns: Mapping[str, tuple[str, int | None]] | None = None,
                  partition_values: Mapping[str, str] | None = None, statistics: Sequence[str] | None = None,
                  dictionary: Sequence[str] | None = None) -> None:
         self.path = path
-        self.full_path = os.path.join(root, path)
+        self.root = FileRoot.of(root)
+        self._filesystem, self.full_path = self.root.file(path)
         self.physical_columns = physical_columns or {}
         self.partition_values = dict(partition_values or {})
         self.statistics = statistics
@@ -66,10 +71,11 @@ class ParquetFile:
 
     def write(self, batch: pa.RecordBatch) -> None:
         if self._writer is None:
-            os.makedirs(os.path.dirname(self.full_path), exist_ok=True)
+            if self.root.location.local:
+                os.makedirs(os.path.dirname(self.full_path), exist_ok=True)
             schema = pa.schema([_physical_field(self.physical_columns, f) for f in batch.schema])
             self._writer = pq.ParquetWriter(
-                self.full_path, schema, compression="snappy",
+                self.full_path, schema, filesystem=self._filesystem, compression="snappy",
                 write_statistics=True if self.statistics is None else list(self.statistics),
                 use_dictionary=True if self.dictionary is None else list(self.dictionary))
         self._writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=self._writer.schema))
@@ -90,8 +96,10 @@ class ParquetFile:
             return None
         self._writer.close()
         self._writer = None
-        return WrittenFile(self.path, os.path.getsize(self.full_path), self.rows,
-                           file_statistics(self.full_path, self.rows), self.partition_values)
+        size = self._filesystem.get_file_info(self.full_path).size
+        with self._filesystem.open_input_file(self.full_path) as written:
+            statistics = file_statistics(written, self.rows)
+        return WrittenFile(self.path, size, self.rows, statistics, self.partition_values)
 
 
 def _physical_field(physical_columns: Mapping[str, tuple[str, int | None]], column: pa.Field) -> pa.Field:
@@ -103,7 +111,7 @@ _EPOCH = datetime.date(1970, 1, 1)
 _PYTHON_DAYS = ((datetime.date.min - _EPOCH).days, (datetime.date.max - _EPOCH).days)
 
 
-def file_statistics(path: str, rows: int) -> str:
+def file_statistics(path: str | pa.NativeFile, rows: int) -> str:
     """Delta's statistics of a written file (by physical column name): its row count, and the null
     counts and exact min/max values of its integer and date columns, from the Parquet footer. Other
     columns have none, and a reader skips no file by them: Delta's own writer truncates strings and

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cdc_apply.apply.files import WrittenFile
-from cdc_apply.lake.location import Location
+from cdc_apply.lake.location import FileRoot, Location, Storage
 from cdc_apply.lake.state import TargetRegistry  # noqa: F401 - its home before cdc_apply.lake
 from cdc_apply.apply.options import (
     COMMIT_LSN, COMMIT_TS, CURRENT, DELETED, METADATA_PREFIX, VALID_FROM, VALID_TO, TableOptions,
@@ -267,16 +267,16 @@ class Target:
         return KnownVersionAppend(self.spark, transaction, app_id)
 
     def open_file_append(self, partition_by: Sequence[str] = (), app_id: str | None = None,
-                         read_at: int | None = None) -> FileAppend | None:
+                         read_at: int | None = None, storage: Storage | None = None) -> FileAppend | None:
         """An append of files written outside Delta's writer (``FileAppend``); None when this table
-        takes only Delta's writer: a table by name, a location pyarrow's local file system cannot
-        write (object storage: the writers do not share the JVM's Hadoop credentials), a table
+        takes only Delta's writer: a table by name, a location on an object store without the
+        ``storage`` that reaches it (the writers do not share the JVM's Hadoop credentials), a table
         partitioned otherwise than ``partition_by`` (the columns the writer puts in the files'
         directories), a struct column under column mapping (its fields have physical names of their
         own), or what Delta's writer enforces or fills in. With ``app_id``, the commit records
         ``app_id``'s next version as ``KnownVersionAppend`` does, and None also when the log has
         moved past ``read_at``."""
-        if self.by_name or not Location.parse(self.location).local:
+        if self.by_name or (storage is None and not Location.parse(self.location).local):
             return None
         transaction = self._delta_log().startTransaction()
         if read_at is not None and int(transaction.snapshot().version()) != read_at:
@@ -298,10 +298,9 @@ class Target:
             transaction.readTxn().addOne(app_id)
         return FileAppend(self.spark, transaction, fields, app_id)
 
-    @property
-    def local_root(self) -> str:
-        """The table's directory, for a table at a local path."""
-        return self.location.removeprefix("file://").removeprefix("file:")
+    def file_root(self, storage: Storage | None = None) -> FileRoot:
+        """The table's directory, and how to reach it, for the files of a ``FileAppend``."""
+        return FileRoot(Location.parse(self.location), storage or Storage())
 
     def write(self, frame: DataFrame, mode: str, partition_by: Sequence[str] = (), **options: str) -> None:
         """``frame`` written to this table (``append`` or ``overwrite``), by path or by name."""

@@ -284,6 +284,24 @@ class Storage:
         return sorted(info.base_name for info in infos)
 
 
+@dataclass(frozen=True)
+class FileRoot:
+    """A table's directory, into which files are written outside Delta's writer (the copy's tasks, the
+    change log's appends): small and picklable, a copy task gets it, with the storage to reach it."""
+
+    location: Location
+    storage: Storage = field(default_factory=Storage)
+
+    @classmethod
+    def of(cls, root: str | Location | FileRoot) -> FileRoot:
+        return root if isinstance(root, FileRoot) else cls(Location.parse(root))
+
+    def file(self, relative: str) -> tuple[pafs.FileSystem, str]:
+        """pyarrow's file system and the path in it of ``relative`` ("/"-separated) under the root."""
+        filesystem, base = self.storage.filesystem(self.location)
+        return filesystem, f"{base}/{relative}"
+
+
 def _reason(exc: OSError) -> str:
     """pyarrow's message without anything after a newline (request ids, headers)."""
     return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__

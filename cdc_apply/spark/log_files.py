@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from cdc_apply.apply.files import ParquetFile, WrittenFile, new_file_name
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.lake.location import FileRoot
 from cdc_apply.lsn import pg_us_to_unix_us
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.encode import encode_inserts, encode_relation
@@ -42,7 +43,7 @@ COPY_XID = 0  # the xid of a copy's rows: no transaction
 MAX_SEQ = 2**31 - 1  # seq is an int32 column
 
 
-def log_file(root: str, relation_oid: int, task: int = 0) -> ParquetFile:
+def log_file(root: str | FileRoot, relation_oid: int, task: int = 0) -> ParquetFile:
     """A new file of the table's partition directory under the log's ``root``, for batches of the
     layout's columns but ``relation_oid`` (the partition)."""
     return ParquetFile(root, f"relation_oid={relation_oid}/{new_file_name(task)}",
@@ -50,7 +51,8 @@ def log_file(root: str, relation_oid: int, task: int = 0) -> ParquetFile:
                        dictionary=DICTIONARY_COLUMNS)
 
 
-def write_log_file(root: str, relation_oid: int, batches: Iterable[pa.RecordBatch], task: int = 0) -> WrittenFile | None:
+def write_log_file(root: str | FileRoot, relation_oid: int, batches: Iterable[pa.RecordBatch],
+                   task: int = 0) -> WrittenFile | None:
     """``batches`` in one new ``log_file``; None when they hold no row."""
     return log_file(root, relation_oid, task).write_all(batches)
 
@@ -60,7 +62,7 @@ class CopyLog:
     """What every writer of one attempt at a table's copy needs to put its rows in the log: small,
     it is pickled into each copy task."""
 
-    root: str  # the change log's local directory
+    root: FileRoot  # the change log's directory, and how to reach it
     relation: m.Relation
     version: int  # the copy's version: every row's commit_lsn and end_lsn
     commit_ts: int  # the copy's start, PostgreSQL microseconds

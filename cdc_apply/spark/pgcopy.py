@@ -40,6 +40,7 @@ from cdc_apply.apply.files import ParquetFile, new_file_name
 from cdc_apply.changerows.codec import RelationCodec, UnrepresentableColumnError
 from cdc_apply.changerows.columns import NotArrowRepresentable, text_column
 from cdc_apply.errors import CdcApplyError
+from cdc_apply.lake.location import FileRoot
 from cdc_apply.pgtypes import TypeCache, portable_type_cache
 from cdc_apply.pgtypes.sparktypes import arrow_type
 from cdc_apply.sources.copy_arrow import copy_columns
@@ -68,7 +69,7 @@ class TableCopy:
     chunk_rows: int = 100_000
     # Columns every copied row holds the same value in (the metadata columns): name -> (Spark type, value)
     constants: Mapping[str, tuple[str, object]] = field(default_factory=dict)
-    files_root: str | None = None  # the tasks write Parquet files here themselves (see the module's text)
+    files_root: FileRoot | None = None  # the tasks write Parquet files here themselves (see the module's text)
     physical_columns: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)  # FileAppend's
     log: CopyLog | None = None  # with files_root: the tasks also write the rows into the change log
 
