@@ -249,3 +249,32 @@ def test_run_follow_rides_out_the_s3_server_stopped_mid_stream(db18, spark, s3, 
         assert not lost_from_targets(conn, load, warehouse, s3.storage())
         assert load.committed > 100
         assert_delta_equals_postgres(spark, conn, warehouse, storage=s3.storage())
+
+
+@pytest.mark.spark
+def test_the_streaming_query_checkpoints_and_applies_on_s3(db18, spark, s3) -> None:  # type: ignore[no-untyped-def]
+    """`cdc-apply stream` (available_now) twice: its checkpoint in the bucket carries the second run on
+    from where the first stopped, and every target, in the bucket, equals PostgreSQL."""
+    from cdc_apply.runtime import StopFlag
+    from cdc_apply.stream_job import checkpoint_location, run_stream
+
+    _use_store(spark, s3)
+    server, dbname = db18
+    warehouse = "s3a://lake/streamed"
+    config = parse_config({"pipeline": "streamed", "source": {"dsn": server.conninfo(dbname), "slot": "streamed",
+                                                               "create_publication": True},
+                           "target": {"warehouse": warehouse}, "stream": {"trigger": "available_now"},
+                           "spark": s3.spark_conf()})
+    tables = {"public.items": ["id", "v"]}
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, v text)")
+        run_stream(config, spark, StopFlag())  # creates the publication and the slot (the stream copies nothing)
+        conn.execute("INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 100) g")
+        assert sum(p["numInputRows"] for p in run_stream(config, spark, StopFlag())) == 100
+        conn.execute("UPDATE items SET v = 'second' WHERE id <= 10")
+        conn.execute("DELETE FROM items WHERE id > 90")
+        second = run_stream(config, spark, StopFlag())
+        assert sum(p["numInputRows"] for p in second) == 20  # only what came after the first run
+        _assert_equal(spark, conn, warehouse, s3, tables)
+    assert checkpoint_location(config) == "s3a://lake/streamed/_cdc_apply/checkpoints/streamed"
+    assert (s3.root / "lake" / "streamed" / "_cdc_apply" / "checkpoints" / "streamed" / "offsets").is_dir()
