@@ -376,10 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kills", type=int, default=20, help="crash: random kill -9s, after the mode's failpoint kills")
     bench.add_argument("--seed", type=int, default=7, help="crash: the random kill points' seed")
     bench.add_argument("--warehouse", default=None,
-                       help="snapshot, e2e: an object-store warehouse measured beside the local disk in the same run: "
+                       help="snapshot, e2e: an object-store warehouse measured beside the local disk in the same run "
+                            "(crash: the drill's warehouse there instead): "
                             "a URI (s3a://bucket/path, reached with the spark: section of --config or the AWS default "
                             "chain), or local-s3 (a versitygw server the bench starts on this machine)")
-    bench.add_argument("--config", default=None, help="snapshot, e2e: a config whose spark: section reaches --warehouse")
+    bench.add_argument("--config", default=None,
+                       help="snapshot, e2e, crash: a config whose spark: section reaches --warehouse")
     return parser
 
 

@@ -64,7 +64,8 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     if name == "crash":
         from cdc_apply.bench.crash import bench_crash
 
-        result = bench_crash(mode=args.mode, kills=args.kills, seed=args.seed)
+        with object_store(args.warehouse, args.config) as store:
+            result = bench_crash(mode=args.mode, kills=args.kills, seed=args.seed, store=store)
         return 0 if result["lost"] == result["applied_twice"] == result["problems_after_kills"] \
             == result["tables_differing"] == 0 else 1
     raise ValueError(f"unknown benchmark {name}")

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from cdc_apply.bench.load import TABLES, Load, create_schema
+from cdc_apply.bench.store import ObjectStore
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lake.location import Location, Storage
 from cdc_apply.lake.state import STATE_DIRECTORY
@@ -391,17 +392,21 @@ def report(drill: CrashDrill, spark: SparkSession, conn: psycopg.Connection, sec
     return result
 
 
-def bench_crash(mode: str, kills: int = 20, seed: int = 7, spark: SparkSession | None = None) -> dict[str, int]:
-    """The drill on a throwaway server; prints and returns its ``report``."""
+def bench_crash(mode: str, kills: int = 20, seed: int = 7, spark: SparkSession | None = None,
+                store: ObjectStore | None = None) -> dict[str, int]:
+    """The drill on a throwaway server; prints and returns its ``report``. ``store``: the warehouse on
+    that object store instead of the local disk."""
     from cdc_apply.pgserver import PgServer
     from cdc_apply.spark.session import session_for
 
     started = time.monotonic()
     with PgServer() as server, tempfile.TemporaryDirectory(prefix="cdc_apply_crash_") as directory:
         drill = CrashDrill(mode, server.dsn, Path(directory), kills=kills, seed=seed,
-                           progress=lambda what: print(f"  {what}", flush=True))
-        print(f"bench crash --mode {mode}: {kills} random kills (seed {seed}) under 2 sessions x 2 tx/s ...",
-              flush=True)
+                           progress=lambda what: print(f"  {what}", flush=True),
+                           warehouse_uri=store.under("crash") if store else None,
+                           spark_conf=store.spark_conf if store else {})
+        print(f"bench crash --mode {mode}: {kills} random kills (seed {seed}) under 2 sessions x 2 tx/s, the "
+              f"warehouse at {drill.warehouse} ...", flush=True)
         drill.run()
-        with session_for(spark) as spark, psycopg.connect(server.dsn, autocommit=True) as conn:
+        with session_for(spark, drill.spark_conf) as spark, psycopg.connect(server.dsn, autocommit=True) as conn:
             return report(drill, spark, conn, time.monotonic() - started)
