@@ -63,7 +63,7 @@ ConfText = Annotated[str, BeforeValidator(_conf_text)]
 
 # libpq settings every source connection gets unless the DSN sets them (docs/operations.md, "Failover").
 TCP_DEFAULTS = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval": "5", "keepalives_count": "3",
-                "tcp_user_timeout": "30000"}
+                "tcp_user_timeout": "30000", "connect_timeout": "10"}
 
 
 class SourceConfig(_Strict):
@@ -146,8 +146,8 @@ class SourceConfig(_Strict):
     def conninfo(self) -> str:
         """A libpq connection string. The password never appears in logs: log ``describe()``.
 
-        TCP keepalives and ``tcp_user_timeout`` are on unless the DSN sets them: a connection whose
-        network path died fails within about 30 s instead of the kernel's 15 minutes."""
+        TCP keepalives, ``tcp_user_timeout`` and ``connect_timeout`` are on unless the DSN sets them: a
+        connection whose network path died fails within about 30 s instead of the kernel's 15 minutes."""
         from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
         if self.dsn:

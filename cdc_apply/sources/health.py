@@ -10,13 +10,22 @@ Checked before a run reads the slot and every ``source.health_interval_seconds``
 - a table that left the publication: a warning (its target stops receiving changes);
 - retained WAL (``pg_current_wal_lsn() - restart_lsn``) above ``source.max_retained_wal``: a
   warning, or ``SlotUnusable`` with ``on_retained_wal: stop``.
+
+A check is bounded in time on the client's side (``bounded_in_time``): TCP keepalives and
+``tcp_user_timeout`` (``config.TCP_DEFAULTS``) catch a dead network path, but not a peer that
+acknowledges every byte and answers nothing (a frozen server, a proxy that stopped forwarding).
+Past ``HealthMonitor.timeout_seconds`` the connection is shut down and the check fails with
+``HealthCheckTimeout``, a ``psycopg.OperationalError``: the runner's reconnect path takes it.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -29,6 +38,39 @@ from cdc_apply.sources.slot import FAILOVER_SLOTS_VERSION, SLOT_GONE
 log = logging.getLogger(__name__)
 
 ACTIVE_WAIT_SECONDS = 10.0
+HEALTH_CHECK_SECONDS = 30.0  # a check's queries, past the wait for a slot's previous reader to let go
+
+
+class HealthCheckTimeout(psycopg.OperationalError):
+    """The server did not answer a health check in time: the connection is treated as lost."""
+
+
+@contextmanager
+def bounded_in_time(conn: psycopg.Connection, seconds: float, what: str) -> Iterator[None]:
+    """Queries on ``conn`` within ``seconds``, or the connection's socket is shut down (which ends a
+    read blocked on it) and ``HealthCheckTimeout`` names ``what`` and the server."""
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        try:
+            with socket.fromfd(conn.pgconn.socket, socket.AF_INET, socket.SOCK_STREAM) as duplicate:
+                duplicate.shutdown(socket.SHUT_RDWR)  # the connection itself, through a duplicate descriptor
+        except OSError:
+            pass  # closed meanwhile
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except psycopg.Error as exc:
+        if expired.is_set():
+            raise HealthCheckTimeout(f"{what}: no answer from {conn.info.host}:{conn.info.port} in {seconds:g} s "
+                                     "(the server or the network path stopped answering)") from exc
+        raise
+    finally:
+        timer.cancel()
 
 
 class SlotUnusable(CdcApplyError):
@@ -155,6 +197,7 @@ class HealthMonitor:
         self.observer = observer  # the metrics, told the slot's numbers at each check
         self.tables: dict[int, str] | None = None
         self.checked_at = 0.0
+        self.timeout_seconds = HEALTH_CHECK_SECONDS
 
     def due(self) -> bool:
         return time.monotonic() - self.checked_at >= self.source.health_interval_seconds
@@ -165,6 +208,11 @@ class HealthMonitor:
         ``starting``: nothing of ours reads the slot yet, so any ``active_pid`` is another process's;
         ``own_pid``: the backend of our walsender connection. With neither (the Spark data source peeks
         and advances from its own backends) the slot's user is not judged."""
+        seconds = self.timeout_seconds + (ACTIVE_WAIT_SECONDS if starting else 0.0)
+        with bounded_in_time(conn, seconds, f"the health check of slot {self.source.slot!r}"):
+            return self._check(conn, own_pid=own_pid, starting=starting)
+
+    def _check(self, conn: psycopg.Connection, *, own_pid: int | None, starting: bool) -> SlotHealth:
         self.checked_at = time.monotonic()
         source = self.source
         health = read_slot_health(conn, source.slot)
