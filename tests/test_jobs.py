@@ -1,10 +1,13 @@
-"""The spark-submit job on local[*] and on a real standalone cluster (a master and a worker started
-here from the installed pyspark), and the Airflow DAG run for real with `dag.test()`."""
+"""The spark-submit jobs on local[*] and on a real standalone cluster (a master and a worker started
+here from the installed pyspark): `jobs/apply_changes.py` copies on the cluster, then
+`jobs/stream_changes.py` streams the changes locally; and the example Airflow DAG, whose task is a
+`CdcApplyOperator`, run for real with `dag.test()`."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -32,7 +35,8 @@ def _prepare(conninfo: str, tmp_path: Path, slot: str) -> Path:
     config = tmp_path / f"{slot}.yaml"
     config.write_text(json.dumps({"pipeline": slot, "source": {"dsn": conninfo, "slot": slot, "publication": slot},
                                   "target": {"warehouse": str(tmp_path / "wh")},
-                                  "snapshot": {"range_pages": 1}}))  # a page per range: copied by Spark's tasks
+                                  "snapshot": {"range_pages": 1},  # a page per range: copied by Spark's tasks
+                                  "stream": {"trigger": "available_now"}}))  # stream_changes.py: what is there, then ends
     return config
 
 
@@ -50,10 +54,10 @@ def _changes_then_oracle(spark, conninfo: str, tmp_path: Path, run):  # type: ig
     return first, second
 
 
-def _submit(config: Path, master: str) -> subprocess.CompletedProcess[str]:
+def _submit(config: Path, master: str, job: str = "apply_changes.py", *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "SPARK_HOME": str(SPARK_HOME), "PYSPARK_PYTHON": sys.executable}
     return subprocess.run([str(SPARK_HOME / "bin" / "spark-submit"), "--master", master, "--driver-memory", "1g",
-                           str(ROOT / "jobs" / "apply_changes.py"), "--config", str(config), "--once"],
+                           str(ROOT / "jobs" / job), "--config", str(config), *args],
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
@@ -96,21 +100,23 @@ def standalone_cluster(tmp_path: Path) -> Iterator[str]:
 
 
 def test_spark_submit_job_on_a_standalone_cluster_then_local(db18, spark, tmp_path, standalone_cluster) -> None:  # type: ignore[no-untyped-def]
-    """The same YAML job under spark-submit twice: the initial copy on the standalone cluster (its
-    tasks run on the worker), then the changes with ``--master local[2]``."""
+    """One YAML config under spark-submit twice: `apply_changes.py --once` makes the initial copy on the
+    standalone cluster (its tasks run on the worker), then `stream_changes.py` (the Structured
+    Streaming job, trigger available now) applies the changes with ``--master local[2]``."""
     server, dbname = db18
     conninfo = server.conninfo(dbname)
     config = _prepare(conninfo, tmp_path, "submit")
-    masters = iter([standalone_cluster, "local[2]"])
+    submits = iter([(standalone_cluster, "apply_changes.py", "--once"), ("local[2]", "stream_changes.py")])
 
     def run() -> str:
-        result = _submit(config, next(masters))
+        result = _submit(config, *next(submits))
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return result.stdout
 
     first, second = _changes_then_oracle(spark, conninfo, tmp_path, run)
     assert "snapshot public.stock: 200 rows" in first
-    assert "public.stock" in second and "I        1 U       66 D       10" in second
+    # the stream's micro-batches: the 66 updates, 10 deletes and 1 insert
+    assert sum(int(rows) for rows in re.findall(r"^batch \d+: (\d+) change rows", second, re.M)) == 77, second[-2000:]
     worker_log = (tmp_path / "worker.log").read_text()
     assert worker_log.count("Asked to launch executor") == 1  # the copy ran on the cluster's worker, the changes locally
     executor_logs = "".join(path.read_text() for path in (tmp_path / "work").glob("app-*/*/stderr"))
