@@ -9,6 +9,7 @@ import psycopg
 import pytest
 
 from cdc_apply.apply.batch import BatchApplier
+from cdc_apply.lake.state import TargetOwnedError
 from cdc_apply.apply.options import ApplyOptions, TableOptions
 from cdc_apply.assemble import Assembler
 from cdc_apply.apply.schema import SchemaPolicyError
@@ -170,9 +171,11 @@ def test_batches_of_new_rows_are_appended_and_others_merged(db18, spark, tmp_pat
     replay(spark, [str(capture)], ApplyOptions(warehouse=warehouse), max_changes=1)
     assert _operations(spark, path)[-4:] == ["WRITE", "WRITE", "MERGE", "WRITE"]
     assert delta_rows(spark, path, ["id", "v"], types) == truth
-    # Another pipeline name is another writer: it replays everything, by MERGE, without duplicates.
-    replay(spark, [str(capture)], ApplyOptions(warehouse=warehouse, pipeline="other"), max_changes=1)
-    assert _operations(spark, path)[-4:] == ["MERGE"] * 4
+    # Another pipeline would be another writer of the same target: refused before it writes anything
+    # (docs/operations.md, "The pipeline's state").
+    with pytest.raises(TargetOwnedError, match="pipeline 'cdc_apply' writes"):
+        replay(spark, [str(capture)], ApplyOptions(warehouse=warehouse, pipeline="other"), max_changes=1)
+    assert _operations(spark, path)[-4:] == ["WRITE", "WRITE", "MERGE", "WRITE"]
     assert delta_rows(spark, path, ["id", "v"], types) == truth
     # Soft deletes: a deleted key stays in the target, so only MERGE; snapshot-style appends mark rows live.
     soft = str(tmp_path / "soft")

@@ -107,7 +107,8 @@ class TargetRegistry:
                 raise TargetOwnedError(
                     f"the target of {schema}.{table} would be {location}, which pipeline {name[:-5]!r} writes "
                     f"(registered in {directory.child(name)}); two pipelines cannot write one target: give pipeline "
-                    f"{self.state.pipeline!r} another target.warehouse or target.path_template")
+                    f"{self.state.pipeline!r} another target.warehouse or target.path_template (or, if "
+                    f"{name[:-5]!r} is retired, remove that registry)")
 
 
 class AppliedPosition:
