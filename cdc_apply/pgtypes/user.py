@@ -25,6 +25,7 @@ from typing import Any
 from cdc_apply.pgtypes.arrays import decode_binary_array, parse_array_literal
 from cdc_apply.pgtypes.exact_text import array_literal, exact_text_type
 from cdc_apply.pgtypes.registry import PgType, ValueConversionError, fixed, lookup
+from cdc_apply.pgtypes.text import custom_from_binary
 
 KINDS = ("domain", "enum", "composite", "array", "other")
 MAX_DEPTH = 32  # domains over domains, composites in composites: deeper than any real schema
@@ -132,8 +133,9 @@ def binary_text(oid: int, raw: bytes, facts: Mapping[int, UserType], depth: int)
         element = PgType(user.base, f"oid {user.base}", fixed("string"), lambda text, typmod: text,
                          lambda value, typmod: binary_text(user.base, value, facts, depth + 1))
         return array_literal(decode_binary_array(raw, element, -1))
-    raise ValueConversionError(f"{user.name}: a binary value of a user-defined base, range or other type cannot be "
-                               "read; use the publication in text mode (binary=false)")
+    # A user-defined base, range or multirange type (an extension's): read as before the facts were
+    # kept, as text if its binary form is (citext's is), else an error asking for text mode.
+    return custom_from_binary(raw, -1)
 
 
 def record_text(user: UserType, raw: bytes, facts: Mapping[int, UserType], depth: int) -> str:
