@@ -133,11 +133,12 @@ def test_a_capture_keeps_the_facts_on_the_type_message_rows(tmp_path) -> None:  
     from cdc_apply.sources.raw import RawMessage
     from cdc_apply.sources.capture import write_parquet
 
-    rows = [RawMessage(0x10, None, b"Y\x00\x00\x40\x00public\x00posint\x00", type_facts='[{"oid":16384}]'),
+    facts = facts_json([UserType(16384, "public.posint", "domain", base=23)])
+    rows = [RawMessage(0x10, None, b"Y\x00\x00\x40\x00public\x00posint\x00", type_facts=facts),
             RawMessage(0x11, None, b"B" + bytes(20))]
     for name, writer in (("c.jsonl", write_jsonl), ("c.parquet", write_parquet)):
         writer(tmp_path / name, rows)
-        assert [r.type_facts for r in read_capture(tmp_path / name)] == ['[{"oid":16384}]', None]
+        assert [r.type_facts for r in read_capture(tmp_path / name)] == [facts, None]
 
 
 def _facts() -> dict[int, UserType]:
@@ -174,6 +175,15 @@ def test_a_hostile_composite_is_a_clear_error(raw: bytes, error: str) -> None:
 def test_a_domain_over_itself_is_refused_not_recursed_forever() -> None:
     with pytest.raises(ValueConversionError, match="nested deeper"):
         binary_text(900003, b"\x00\x00\x00\x01", _facts(), 0)
+
+
+def test_a_capture_with_malformed_facts_fails_naming_its_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cdc_apply.errors import CaptureError
+
+    capture = tmp_path / "bad.jsonl"
+    capture.write_text('{"lsn": "0/10", "xid": null, "data": "42", "type_facts": "[{\\"oid\\": -1}]"}\n')
+    with pytest.raises(CaptureError, match=r"bad.jsonl:1: not a capture line .*malformed type facts"):
+        list(read_capture(capture))
 
 
 def test_malformed_facts_are_a_clear_error() -> None:

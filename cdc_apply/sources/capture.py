@@ -13,6 +13,8 @@ from cdc_apply.errors import CaptureError
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.pgoutput.decoder import PgOutputDecoder
 from cdc_apply.pgoutput.messages import Type
+from cdc_apply.pgtypes.registry import ValueConversionError
+from cdc_apply.pgtypes.user import parse_facts
 from cdc_apply.sources.raw import RawMessage
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -53,9 +55,15 @@ def _xid(value: object) -> int | None:
 
 
 def _type_facts(value: object) -> str | None:
-    """A capture's type facts: null or text (parsed, and checked, where a Type message uses them)."""
+    """A capture's type facts: null, or text that parses as the facts (``pgtypes/user.py``); their
+    agreement with the values is checked where a value is decoded."""
     if value is not None and not isinstance(value, str):
         raise ValueError(f"type_facts must be text or null, got {type(value).__name__}")
+    if value is not None:
+        try:
+            parse_facts(value)
+        except ValueConversionError as exc:
+            raise ValueError(str(exc)) from None
     return value
 
 
@@ -121,6 +129,7 @@ def _read_parquet(path: Path) -> Iterator[RawMessage]:
             try:
                 lsn = parse_lsn(lsn_text)
                 xid = _xid(xid)
+                facts = _type_facts(facts)
                 if data is None:
                     raise ValueError("data is null")
             except (ValueError, AttributeError, TypeError) as exc:
