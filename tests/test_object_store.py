@@ -1,9 +1,12 @@
 """The warehouse on object storage, against a real S3-compatible server (versitygw) the tests start.
 
-- The copy and the stream (`run --once` twice) with schema evolution, a truncate and a keyless table:
-  every target equals PostgreSQL, read from S3 by Spark and by delta-rs; the pipeline's state lies
-  in the bucket beside the targets, and nothing lands on the local disk.
+- The copy (Spark's tasks writing its files into the bucket) and the stream (`run --once` twice) with
+  schema evolution, a truncate and a keyless table: every target equals PostgreSQL, read from S3 by
+  Spark and by delta-rs; the pipeline's state lies in the bucket beside the targets, and nothing
+  lands on the local disk; the change log, in the bucket, rebuilds every table; a resync.
 - Two pipelines from two databases share one bucket; one that would write another's target is refused.
+- kill -9 of `run --follow` under load, 10 times; the S3 server stopped for a while mid-stream.
+- `stream` with its checkpoint in the bucket.
 - Bad input fails before Spark starts, naming the key, with no traceback and no secret.
 """
 
