@@ -86,7 +86,7 @@ def user_type(oid: int, qualified: str, facts: Mapping[int, UserType]) -> PgType
     if user is None:
         return None
     if user.kind == "array":
-        element = _element_type(user.base, facts)
+        element = _element_type(user.base, facts, 1)
 
         def array_from_binary(raw: bytes, typmod: int) -> list[Any]:
             return decode_binary_array(raw, element, typmod)
@@ -100,10 +100,10 @@ def user_type(oid: int, qualified: str, facts: Mapping[int, UserType]) -> PgType
     return PgType(oid, qualified, fixed("string"), lambda text, typmod: text, from_binary)
 
 
-def _element_type(oid: int, facts: Mapping[int, UserType]) -> PgType:
+def _element_type(oid: int, facts: Mapping[int, UserType], depth: int) -> PgType:
     """An array element as its text: what an element of ``array<string>`` holds in text mode."""
     def from_binary(raw: bytes, typmod: int) -> str:
-        return binary_text(oid, raw, facts, 1)
+        return binary_text(oid, raw, facts, depth)
 
     return PgType(oid, f"oid {oid}", fixed("string"), lambda text, typmod: text, from_binary)
 
@@ -130,9 +130,7 @@ def binary_text(oid: int, raw: bytes, facts: Mapping[int, UserType], depth: int)
     if user.kind == "composite":
         return record_text(user, raw, facts, depth)
     if user.kind == "array":
-        element = PgType(user.base, f"oid {user.base}", fixed("string"), lambda text, typmod: text,
-                         lambda value, typmod: binary_text(user.base, value, facts, depth + 1))
-        return array_literal(decode_binary_array(raw, element, -1))
+        return array_literal(decode_binary_array(raw, _element_type(user.base, facts, depth + 1), -1))
     # A user-defined base, range or multirange type (an extension's): read as before the facts were
     # kept, as text if its binary form is (citext's is), else an error asking for text mode.
     return custom_from_binary(raw, -1)
