@@ -39,7 +39,8 @@ import pyarrow.compute as pc
 
 from cdc_apply.apply.sessionconf import delta_commit_conf
 from cdc_apply.apply.files import WrittenFile
-from cdc_apply.apply.targets import FileAppend, KnownVersionAppend, Target, sql_string
+from cdc_apply.apply.delta_internal import FileAppend, KnownVersionAppend
+from cdc_apply.apply.targets import Target, sql_string
 from cdc_apply.assemble import SpilledChanges, Transaction
 from cdc_apply.config import Config
 from cdc_apply.errors import CdcApplyError
@@ -91,10 +92,11 @@ def changelog_target(spark: SparkSession, config: Config, warehouse: str | None 
     """Where the pipeline's change log is: ``changelog.name``, ``changelog.path``, or
     ``<warehouse>/_cdc_apply/changelog``."""
     settings = config.changelog
+    storage = Storage.from_spark_conf(config.spark)
     if settings.name is not None:
-        return Target(spark, settings.name, True)
+        return Target(spark, settings.name, True, storage, config.target.delta_internals)
     default = Location.parse(warehouse or config.target.warehouse).child(STATE_DIRECTORY, "changelog")
-    return Target(spark, settings.path or str(default), False)
+    return Target(spark, settings.path or str(default), False, storage, config.target.delta_internals)
 
 
 def enabled_changelog(spark: SparkSession, config: Config) -> ChangeLog | None:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from cdc_apply.apply.session_kind import default_parallelism
 from cdc_apply.apply.batch import BatchApplier, BatchResult, TableResult
 from cdc_apply.apply.plan import Versioning
 from cdc_apply.apply.options import MAX_PIECE_BYTES
@@ -241,7 +242,7 @@ class ChangeLogApplier:
         must apply them (the applier declines the table, or the executors' collapse refused a group:
         the MERGE failed, so nothing was committed)."""
         relation = relation_of(table["relation"], lsn)
-        groups = groups_for(table["message_bytes"] or 0, rows.sparkSession.sparkContext.defaultParallelism)
+        groups = groups_for(table["message_bytes"] or 0, default_parallelism(rows.sparkSession))
 
         def collapse(codec: PortableCodec, column_map: dict[str, str | None], keys: tuple[str, ...],
                      data_types: dict[str, str], after: int | None) -> DataFrame:

@@ -199,6 +199,9 @@ class TargetConfig(_Strict):
     name_template: str | None = None
     properties: dict[str, ConfText] = {}
     optimize_every_commits: int = Field(100, ge=0, le=1_000_000)  # 0: never
+    # On a classic session: two commits through Delta's internal classes (apply/delta_internal.py).
+    # false: public APIs only, as on a Spark Connect session.
+    delta_internals: bool = True
 
     @field_validator("path_template", "name_template")
     @classmethod

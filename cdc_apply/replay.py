@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.apply.options import ApplyOptions
-from cdc_apply.apply.targets import Target
+from cdc_apply.apply.targets import target_at
 from cdc_apply.lake.state import TargetRegistry
 from cdc_apply.changelog import ChangeLog, ChangeLogError, RecordedCopy
 from cdc_apply.changelog_apply import ChangeLogApplier
@@ -89,7 +89,7 @@ def _refuse_tables_without_their_copy(spark: SparkSession, options: ApplyOptions
 def _target_holds(spark: SparkSession, options: ApplyOptions, oid: int, entry: dict[str, Any] | None) -> int | None:
     """The commit LSN the pipeline last applied to the relation's target in ``options.warehouse``
     (its registry ``entry``); None when it has none."""
-    target = Target(spark, entry["location"], entry["by_name"]) if entry else None
+    target = target_at(spark, options, entry["location"], entry["by_name"]) if entry else None
     return target.committed_version(f"{options.pipeline}/{oid}") if target is not None and target.exists() else None
 
 

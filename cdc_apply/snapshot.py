@@ -41,12 +41,14 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
+from cdc_apply.apply.session_kind import default_parallelism
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.files import WrittenFile
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED
 from cdc_apply.apply.sessionconf import DataCommit
-from cdc_apply.apply.targets import FileAppend, Target, quote
+from cdc_apply.apply.delta_internal import FileAppend
+from cdc_apply.apply.targets import Target, quote
 from cdc_apply.assemble import Transaction
 from cdc_apply.changelog import enabled_changelog
 from cdc_apply.changerows.columns import inserted_images
@@ -275,7 +277,7 @@ class Snapshotter:
         state = target.source_state()
         assert state is not None  # ensure_target made it
         spark = self.applier.spark
-        tasks = min(settings.parallelism or spark.sparkContext.defaultParallelism, settings.max_connections)
+        tasks = min(settings.parallelism or default_parallelism(spark), settings.max_connections)
         schema = self.applier.schema
         job = TableCopy(self.config.source.conninfo(), snapshot.name, table, state.column_map(), target.data_types(),
                         schema.exact_text_columns(table.relation, state), dict(schema.types.named), settings.chunk_rows,
@@ -347,11 +349,10 @@ class Snapshotter:
         with DataCommit(None, 0, metadata).checked(target.spark):
             if merge_keys:
                 condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in merge_keys)
-                target.delta().alias("t").merge(frame.alias("s"), condition) \
-                    .whenMatchedUpdateAll().whenNotMatchedInsertAll().execute()
+                target.merge(frame, condition).when_matched_update_all().when_not_matched_insert_all().execute()
             else:
                 target.write(frame, "append")
-        metrics = target.delta().history(1).collect()[0].operationMetrics or {}
+        metrics = target.last_commit().operationMetrics or {}
         if merge_keys:
             return int(metrics.get("numTargetRowsInserted", 0)) + int(metrics.get("numTargetRowsUpdated", 0))
         return int(metrics.get("numOutputRows", 0))
@@ -379,9 +380,9 @@ def _copy_progress(target: Target, key: tuple[str, ...], relation: m.Relation,
     another key, other columns, or partitions attached or detached since)."""
     if not key:
         return None
-    newest = target.delta().history(1).select("userMetadata").collect()
+    newest = target.last_commit()
     try:
-        metadata = json.loads((newest[0].userMetadata if newest else None) or "{}")
+        metadata = json.loads((newest.userMetadata if newest is not None else None) or "{}")
     except ValueError:
         return None
     copied = metadata.get("copy") if metadata.get("cdc_apply") == "snapshot" else None

@@ -145,7 +145,7 @@ def test_a_parallel_copy_under_writes_equals_postgres(any_db, spark, tmp_path) -
             got = delta_rows(spark, path, columns, source_types(conn, table))
             assert got == truth, f"{table}: {len(got)} rows in Delta, {len(truth)} in PostgreSQL"
         _assert_same_rows(spark, f"{warehouse}/public/typed", f"{warehouse}_driver/public/typed")
-        typed = Target(spark, f"{warehouse}/public/typed", False).delta().history().collect()
+        typed = Target(spark, f"{warehouse}/public/typed", False).history()
         copies = [h for h in typed if h.userMetadata and '"snapshot"' in h.userMetadata]
         assert len(copies) >= 2  # ranges_per_commit 4 of 2 pages: several commits
         # The tasks wrote the copy's Parquet files themselves (pyarrow), with column mapping's

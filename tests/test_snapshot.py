@@ -57,7 +57,7 @@ def test_snapshot_under_writes_then_stream_and_a_table_added_later(db18, spark, 
         assert next(s for s in first.snapshots if s.table == "public.accounts").rows >= 20000
         drain(config, spark)
         assert_delta_equals_postgres(spark, conn, warehouse)
-        history = Target(spark, f"{warehouse}/public/accounts", False).delta().history().collect()
+        history = Target(spark, f"{warehouse}/public/accounts", False).history()
         copies = [json.loads(h.userMetadata)["copy"] for h in history if '"snapshot"' in (h.userMetadata or "")]
         assert len(copies) >= 3 and all(c["method"] == "ranges" for c in copies)  # 100+ pages, 40 per commit
 
@@ -121,7 +121,7 @@ def _killed_copy_resumes(db, spark, tmp_path, snapshot: dict[str, object], resum
         job = Job(rerun_path, tmp_path / "job2.log", once=True)
         assert job.wait(timeout=300) == 0, (tmp_path / "job2.log").read_text()[-3000:]
         assert f"resuming the copy of public.accounts {resumed}" in (tmp_path / "job2.log").read_text()
-        history = partial.delta().history().collect()
+        history = partial.history()
         assert not any(h.operation == "DELETE" for h in history)  # nothing copied twice: no clear
         assert_delta_equals_postgres(spark, conn, warehouse)
         # Rows copied before and after the kill, unchanged since, carry the copy's version: the first
@@ -237,5 +237,5 @@ def test_a_lost_exported_snapshot_fails_the_copy_clearly_and_the_rerun_resumes(d
         assert [s.table for s in resumed.snapshots][0] == "public.accounts"
         drain(config, spark)
         assert_delta_equals_postgres(spark, conn, warehouse)
-        history = Target(spark, f"{warehouse}/public/accounts", False).delta().history().collect()
+        history = Target(spark, f"{warehouse}/public/accounts", False).history()
         assert not any(h.operation == "DELETE" for h in history) and any(h.operation == "MERGE" for h in history)

@@ -7,7 +7,9 @@ import pytest
 
 from cdc_apply.apply.sessionconf import delta_commit_conf
 from cdc_apply.apply.target_state import TargetStates
-from cdc_apply.apply.targets import Target, _scala_map
+from cdc_apply.apply import delta_internal
+from cdc_apply.apply.delta_internal import _scala_map
+from cdc_apply.apply.targets import Target
 from tests.test_type_roundtrip import captured  # noqa: F401 - the module-scoped capture fixture
 
 
@@ -98,7 +100,9 @@ def test_targets_are_compacted_every_n_commits_and_keep_their_rows(captured, spa
 
 def _rebuilt_writers(target: Target) -> dict[str, int]:
     """Delta's own answer, from the table state rebuilt by Spark jobs."""
-    return _scala_map(target._snapshot().transactions(), int)
+    empty = target.spark._jvm.scala.Option.empty()
+    snapshot = delta_internal.delta_log(target.spark, target.location, target.by_name).update(False, empty, empty)
+    return _scala_map(snapshot.transactions(), int)
 
 
 def _jobs_run_by(spark, group: str, action) -> tuple[object, int]:  # type: ignore[no-untyped-def]
@@ -110,41 +114,40 @@ def _jobs_run_by(spark, group: str, action) -> tuple[object, int]:  # type: igno
     return result, len(spark.sparkContext.statusTracker().getJobIdsForGroup(group))
 
 
-def test_writer_versions_and_properties_come_from_the_checksum_without_a_state_rebuild(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_writer_versions_and_properties_come_from_the_log_files_without_spark(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``apply/delta_log.py`` reads the log's files (Delta's public protocol): no Spark job, the same
+    answer as Delta's rebuilt table state, across a checkpoint, and only the new commits on a later read."""
+    from cdc_apply.apply import delta_log
+
     path = str(tmp_path / "t")
     spark.range(1).selectExpr("id", "'x' AS v").write.format("delta").save(path)
     _append(spark, path, "pipe/1", 5, "m1")
     _append(spark, path, "other/1", 9, "m2")
     _append(spark, path, "pipe/1", 6, "m3")
-    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('cdc_apply.source' = '{{}}', 'x.y' = 'z')")
-    spark._jvm.org.apache.spark.sql.delta.DeltaLog.clearCache()  # a restarted process: nothing built yet
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('cdc_apply.source' = '{{}}', 'x.y' = 'z', "
+              "'delta.checkpointInterval' = '3')")
 
     target = Target(spark, path, False)
-    writers, jobs = _jobs_run_by(spark, "writers-from-checksum", target.committed_versions)
+    writers, jobs = _jobs_run_by(spark, "writers-from-the-log", target.committed_versions)
     assert writers == {"pipe/1": 6, "other/1": 9}
-    assert jobs == 0, "the writers' versions were read by rebuilding the table state"
-    properties, jobs = _jobs_run_by(spark, "properties-from-metadata", target.properties)
+    assert jobs == 0, "the writers' versions were read with Spark"
+    properties, jobs = _jobs_run_by(spark, "properties-from-the-log", target.properties)
     assert jobs == 0
     detail = dict(spark.sql(f"DESCRIBE DETAIL delta.`{path}`").select("properties").first()[0])
     assert properties == detail and properties["x.y"] == "z"
     assert writers == _rebuilt_writers(target)
+    assert target.log_version() == 4
 
-    # No checksum for the newest version (a writer that skips them): the state is rebuilt, same answer.
+    # Later commits, a checkpoint among them: a new process reads the checkpoint and what follows it,
+    # this one only the commits since its last read.
     _append(spark, path, "pipe/1", 7, "m4")
-    newest = max(tmp_path.joinpath("t", "_delta_log").glob("*.crc"))
-    newest.unlink()
-    spark._jvm.org.apache.spark.sql.delta.DeltaLog.clearCache()
-    target = Target(spark, path, False)
-    assert target._snapshot().checksumOpt().isEmpty()
-    assert target.committed_versions() == {"pipe/1": 7, "other/1": 9}
-
-    # A table that expires SetTransactions: the checksum does not apply the expiry, so it is not used.
-    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.setTransactionRetentionDuration' = 'interval 1 days')")
-    _append(spark, path, "pipe/1", 8, "m5")
-    spark._jvm.org.apache.spark.sql.delta.DeltaLog.clearCache()
-    target = Target(spark, path, False)
-    writers, jobs = _jobs_run_by(spark, "writers-with-retention", target.committed_versions)
-    assert writers == {"pipe/1": 8, "other/1": 9} and jobs > 0
+    _append(spark, path, "third/1", 1, "m5")
+    assert (tmp_path / "t" / "_delta_log" / "_last_checkpoint").exists()
+    assert target.committed_versions() == {"pipe/1": 7, "other/1": 9, "third/1": 1} == _rebuilt_writers(target)
+    delta_log.forget(path)
+    assert Target(spark, path, False).committed_versions() == {"pipe/1": 7, "other/1": 9, "third/1": 1}
+    assert Target(spark, path, False).properties() == properties
+    assert target.commit_is(6, "third/1", 1, "m5") and not target.commit_is(6, "pipe/1", 7, "m4")
 
     # The table stays readable by both readers, with the same rows.
     import pyarrow as pa

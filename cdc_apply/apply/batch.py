@@ -42,7 +42,7 @@ from cdc_apply.apply.plan import (
 from cdc_apply.apply.schema import BackfillTargetColumn
 from cdc_apply.apply.schema_applier import SchemaApplier
 from cdc_apply.apply.target_state import TargetStates
-from cdc_apply.apply.targets import SourceState, Target
+from cdc_apply.apply.targets import SourceState, Target, target_at
 from cdc_apply.lake.state import TargetRegistry
 from cdc_apply.apply.writer import TableWriter
 from cdc_apply.assemble import Change, SpilledChanges, Transaction
@@ -193,8 +193,8 @@ class BatchApplier:
         if entry is None:
             location, by_name = ((options.name, True) if options.name is not None
                                  else self.options.default_target(relation.namespace, relation.name))
-            return Target(spark or self.spark, location, by_name), False
-        return Target(spark or self.spark, entry["location"], entry["by_name"]), True
+            return target_at(spark or self.spark, self.options, location, by_name), False
+        return target_at(spark or self.spark, self.options, entry["location"], entry["by_name"]), True
 
     def ensure_target(self, relation: m.Relation, position: tuple[int, int]) -> tuple[Target, bool]:
         """The relation's target, created (empty) and registered if needed; True when it existed."""

@@ -45,12 +45,12 @@ def _apply(target: Target, action: TargetAction, types: dict[str, str]) -> None:
         if action.column not in types:
             spark.sql(f"ALTER TABLE {table} ADD COLUMNS ({quote(action.column)} {action.spark_type})")
     elif isinstance(action, BackfillTargetColumn):
-        from pyspark.sql import functions as F
-
         from cdc_apply.apply.options import COMMIT_LSN
 
-        target.delta().update(f"{quote(COMMIT_LSN)} < {action.before_lsn} AND {quote(action.column)} IS NULL",
-                              {quote(action.column): F.lit(action.value).cast(action.spark_type)})
+        # The value as a one-row source: a Python value of any Spark type, with no SQL literal to render.
+        value = spark.createDataFrame([(action.value,)], f"v {action.spark_type}")
+        (target.merge(value, f"t.{quote(COMMIT_LSN)} < {action.before_lsn} AND t.{quote(action.column)} IS NULL")
+         .when_matched_update(None, {quote(action.column): "s.v"}).execute())
     elif isinstance(action, WidenTargetColumn):
         if types.get(action.column) != action.spark_type:
             _enable_feature(target, "delta.enableTypeWidening", "true", "typeWidening",

@@ -111,8 +111,6 @@ def _fill_from_target(target: Target, keys: Sequence[str], found: list[Version])
 
 def merge_history(target: Target, collapser: HistoryCollapser, data_types: Mapping[str, str],
                   keys: Sequence[str], commit: DataCommit) -> None:
-    from pyspark.sql import functions as F
-
     spark = target.spark
     found = versions(collapser)
     _fill_from_target(target, keys, found)
@@ -134,16 +132,16 @@ def merge_history(target: Target, collapser: HistoryCollapser, data_types: Mappi
     arrays[VALID_TO] = pa.array([None] * len(closes) + [v.valid_to for v in found], pa.timestamp("us", tz="UTC"))
     source = typed_frame(spark, arrays, data_types)
     condition = f"s.{OP} = 'C' AND t.{CURRENT} AND " + " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys)
-    inserts = {quote(n): F.col(f"s.{quote(n)}") for n in data_types} | {
-        quote(COMMIT_LSN): F.col(f"s.{COMMIT_LSN}"), quote(COMMIT_TS): F.col(f"s.{COMMIT_TS}"),
-        quote(VALID_FROM): F.col(f"s.{COMMIT_TS}"), quote(VALID_TO): F.col(f"s.{VALID_TO}"),
-        quote(CURRENT): F.col(f"s.{VALID_TO}").isNull()}
-    merge = (target.delta().alias("t").merge(source.alias("s"), condition)
-             .whenMatchedUpdate(set={quote(VALID_TO): F.col(f"s.{CLOSE_TS}"), quote(CURRENT): F.lit(False)})
-             .whenNotMatchedInsert(f"s.{OP} = 'I'", inserts))
+    inserts = {quote(n): f"s.{quote(n)}" for n in data_types} | {
+        quote(COMMIT_LSN): f"s.{COMMIT_LSN}", quote(COMMIT_TS): f"s.{COMMIT_TS}",
+        quote(VALID_FROM): f"s.{COMMIT_TS}", quote(VALID_TO): f"s.{VALID_TO}",
+        quote(CURRENT): f"s.{VALID_TO} IS NULL"}
+    merge = (target.merge(source, condition)
+             .when_matched_update(None, {quote(VALID_TO): f"s.{CLOSE_TS}", quote(CURRENT): "false"})
+             .when_not_matched_insert(f"s.{OP} = 'I'", inserts))
     truncate = collapser.result.truncate
     if truncate is not None:
-        merge = merge.whenNotMatchedBySourceUpdate(
-            f"t.{CURRENT}", {quote(VALID_TO): F.timestamp_micros(F.lit(truncate.commit_ts)), quote(CURRENT): F.lit(False)})
+        merge = merge.when_not_matched_by_source_update(
+            f"t.{CURRENT}", {quote(VALID_TO): f"timestamp_micros({truncate.commit_ts})", quote(CURRENT): "false"})
     with commit.checked(spark):
         merge.execute()

@@ -22,7 +22,7 @@ from cdc_apply.apply.collapse import Collapsed, Key
 from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.columnar import CollapsedColumns
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED, KEEP, OP, TableOptions
-from cdc_apply.apply.targets import Target, quote
+from cdc_apply.apply.targets import Target, quote, sql_string
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgtypes.sparktypes import arrow_type
@@ -225,14 +225,11 @@ def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[st
     if not removing:
         _append(target, commit, source.drop(OP))
         return
-    from pyspark.sql import functions as F
-
     condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys) + f" AND s.{OP} = 'D'"
-    inserts = {quote(name): F.col(f"s.{quote(name)}") for name in data_types}
-    inserts |= {quote(COMMIT_LSN): F.col(f"s.{COMMIT_LSN}"), quote(COMMIT_TS): F.col(f"s.{COMMIT_TS}")}
+    inserts = {quote(name): f"s.{quote(name)}" for name in [*data_types, COMMIT_LSN, COMMIT_TS]}
     with commit.checked(target.spark):
-        (target.delta().alias("t").merge(source.alias("s"), condition)
-         .whenMatchedDelete().whenNotMatchedInsert(f"s.{OP} = 'U'", inserts).execute())
+        (target.merge(source, condition)
+         .when_matched_delete().when_not_matched_insert(f"s.{OP} = 'U'", inserts).execute())
 
 
 def _entries_frame(spark: SparkSession, entries: list[tuple[dict[str, Any], str, int, int]],
@@ -259,39 +256,34 @@ def _target_counts(target: Target, wanted: list[Key], keys: Sequence[str],
 def _merge(target: Target, source: DataFrame, collapsed: Collapsed, data_types: Mapping[str, str],
            keys: Sequence[str], options: TableOptions, kept: frozenset[str]) -> None:
     """``kept``: the columns some upsert leaves as the target holds them (named in its ``_cdc_keep``)."""
-    from pyspark.sql import functions as F
-
     soft = options.delete_mode == "soft"
     condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys)
-    updates: dict[str, Any] = {}
+    updates: dict[str, str] = {}
     for name in data_types:
-        value = F.col(f"s.{quote(name)}")
+        value = f"s.{quote(name)}"
         if name in kept:
-            value = F.when(F.array_contains(F.coalesce(F.col(f"s.{KEEP}"), F.array().cast("array<string>")), name),
-                           F.col(f"t.{quote(name)}")).otherwise(value)
+            value = (f"CASE WHEN array_contains(coalesce(s.{KEEP}, CAST(array() AS array<string>)), "
+                     f"{sql_string(name)}) THEN t.{quote(name)} ELSE {value} END")
         updates[quote(name)] = value
-    meta = {quote(COMMIT_LSN): F.col(f"s.{COMMIT_LSN}"), quote(COMMIT_TS): F.col(f"s.{COMMIT_TS}")}
-    inserts = {quote(name): F.col(f"s.{quote(name)}") for name in data_types} | meta
+    meta = {quote(COMMIT_LSN): f"s.{COMMIT_LSN}", quote(COMMIT_TS): f"s.{COMMIT_TS}"}
+    inserts = {quote(name): f"s.{quote(name)}" for name in data_types} | meta
+    meta_live = meta | {quote(DELETED): "false"} if soft else meta
     if soft:
-        meta_live = meta | {quote(DELETED): F.lit(False)}
-        inserts[quote(DELETED)] = F.lit(False)
-    else:
-        meta_live = meta
-    merge = target.delta().alias("t").merge(source.alias("s"), condition)
+        inserts[quote(DELETED)] = "false"
+    merge = target.merge(source, condition)
     if soft:
-        merge = merge.whenMatchedUpdate(f"s.{OP} = 'D'", meta | {quote(DELETED): F.lit(True)})
+        merge = merge.when_matched_update(f"s.{OP} = 'D'", meta | {quote(DELETED): "true"})
     else:
-        merge = merge.whenMatchedDelete(f"s.{OP} = 'D'")
-    merge = merge.whenMatchedUpdate(f"s.{OP} = 'U'", updates | meta_live)
-    merge = merge.whenNotMatchedInsert(f"s.{OP} = 'U'", inserts)
+        merge = merge.when_matched_delete(f"s.{OP} = 'D'")
+    merge = merge.when_matched_update(f"s.{OP} = 'U'", updates | meta_live)
+    merge = merge.when_not_matched_insert(f"s.{OP} = 'U'", inserts)
     if collapsed.truncate is not None:
         if soft:
             mark = collapsed.truncate
-            merge = merge.whenNotMatchedBySourceUpdate(
-                f"NOT t.{DELETED}",
-                {quote(DELETED): F.lit(True), quote(COMMIT_LSN): F.lit(mark.commit_lsn),
-                 quote(COMMIT_TS): F.timestamp_micros(F.lit(mark.commit_ts))})
+            merge = merge.when_not_matched_by_source_update(
+                f"NOT t.{DELETED}", {quote(DELETED): "true", quote(COMMIT_LSN): str(mark.commit_lsn),
+                                     quote(COMMIT_TS): f"timestamp_micros({mark.commit_ts})"})
         else:
-            merge = merge.whenNotMatchedBySourceDelete()
+            merge = merge.when_not_matched_by_source_delete()
     merge.execute()
 

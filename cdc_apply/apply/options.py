@@ -83,6 +83,8 @@ class ApplyOptions:
     # A spilled transaction is appended in pieces of at most this many bytes of messages: the driver
     # holds one piece's change rows at a time, about 4x its size (docs/live.md, "Memory").
     piece_bytes: int = MAX_PIECE_BYTES
+    # Delta's internal classes for two commits on a classic session (apply/delta_internal.py).
+    delta_internals: bool = True
 
     def default_target(self, schema: str, table: str) -> tuple[str, bool]:
         """(location, by_name) of a table's target when its options name none.
@@ -140,4 +142,5 @@ def apply_options(config: Config) -> ApplyOptions:
                         tables={pattern: table_options(table) for pattern, table in config.tables.items()},
                         defaults=table_options(config.defaults), table_properties=dict(config.target.properties),
                         optimize_every_commits=config.target.optimize_every_commits,
-                        piece_bytes=min(MAX_PIECE_BYTES, config.batching.spill_bytes))
+                        piece_bytes=min(MAX_PIECE_BYTES, config.batching.spill_bytes),
+                        delta_internals=config.target.delta_internals)

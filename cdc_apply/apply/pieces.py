@@ -14,13 +14,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from cdc_apply.apply.session_kind import default_parallelism
 from cdc_apply.apply.collapse import Collapsed
 from cdc_apply.apply.columnar import collapsed_columns, segment_rows
 from cdc_apply.apply.merge import new_rows, typed_frame
 from cdc_apply.apply.plan import BatchResult, TablePlan, TableResult, Versioning, appends_new_rows
 from cdc_apply.apply.schema_applier import SchemaApplier
 from cdc_apply.apply.sessionconf import DataCommit
-from cdc_apply.apply.targets import KnownVersionAppend
+from cdc_apply.apply.delta_internal import KnownVersionAppend
 from cdc_apply.apply.writer import TableWriter
 from cdc_apply.assemble import SpilledChanges, Transaction
 from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
@@ -124,7 +125,7 @@ class PiecewiseAppender:
             return False
         frame = new_rows(typed_frame(plan.target.spark, columns.columns, plan.known.data_types), plan.options)
         # Arrow batches become partitions: without this a piece would be written as many small files.
-        frame = frame.coalesce(plan.target.spark.sparkContext.defaultParallelism)
+        frame = frame.coalesce(default_parallelism(plan.target.spark))
         if not table.append.write(frame):
             return False
         result = table.result

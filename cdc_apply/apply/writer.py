@@ -114,7 +114,7 @@ class TableWriter:
             return
         started = time.perf_counter()
         try:
-            target.delta().optimize().executeCompaction()
+            target.compact()
         except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a committed batch
             log.warning("%s: compaction failed (retried at the next %d commits): %s", target.location, every,
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

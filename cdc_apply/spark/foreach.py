@@ -107,7 +107,13 @@ def source_missing_value(settings: Config) -> MissingValueLookup:
 
 
 def streaming_query_id(spark: SparkSession) -> str:
-    """The running query's id: Spark sets it as a local property for the batch it runs."""
+    """The running query's id: Spark sets it as a local property for the batch it runs. A Spark
+    Connect foreachBatch worker has no SparkContext: there it is the session's one active query."""
+    from cdc_apply.apply.session_kind import is_connect
+
+    if is_connect(spark):
+        active = [query.id for query in spark.streams.active]
+        return active[0] if len(active) == 1 else f"connect-session-{spark.session_id}"
     query_id = spark.sparkContext.getLocalProperty("sql.streaming.queryId")
     if not query_id:
         raise CdcApplyError("foreach_batch: no streaming query id in this Spark context; "

@@ -70,6 +70,9 @@ def build_spark_session(overrides: Mapping[str, str] | None = None, *, register_
     """
     from pyspark.sql import SparkSession
 
+    remote = connect_url(overrides)
+    if remote is not None:
+        return _connect_session(remote, overrides or {}, register_pgoutput)
     if launched_by_spark_submit():
         _add_jars_to_driver(resolve_jars())
     # Python workers (the pgoutput data source) must run this interpreter, the one with cdc_apply.
@@ -79,6 +82,33 @@ def build_spark_session(overrides: Mapping[str, str] | None = None, *, register_
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    if register_pgoutput:
+        from cdc_apply.spark import datasource
+
+        datasource.register(spark)
+    return spark
+
+
+def connect_url(overrides: Mapping[str, str] | None = None) -> str | None:
+    """The Spark Connect server the config's ``spark.remote`` (or ``SPARK_REMOTE``) names, else None."""
+    return (overrides or {}).get("spark.remote") or os.environ.get("SPARK_REMOTE") or None
+
+
+# Set by the Connect server's own configuration, never by a client session (docs/spark.md).
+SERVER_DECIDES = ("spark.master", "spark.app.name", "spark.jars", "spark.sql.extensions", "spark.sql.catalog.",
+                  "spark.driver.", "spark.executor.", "spark.ui.", "spark.remote", "spark.hadoop.")
+
+
+def _connect_session(url: str, overrides: Mapping[str, str], register_pgoutput: bool) -> SparkSession:
+    """A Spark Connect client session: cdc_apply's session defaults and the config's ``spark`` keys
+    that a session may set (SQL and Delta confs); the rest is the server's configuration."""
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.remote(url)
+    for key, value in {**DEFAULT_SPARK_CONF, **overrides}.items():
+        if not key.startswith(SERVER_DECIDES):
+            builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     if register_pgoutput:
         from cdc_apply.spark import datasource
 
