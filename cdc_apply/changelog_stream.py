@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from cdc_apply.apply.session_kind import new_session
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
 from cdc_apply.changelog import ChangeLog
@@ -60,7 +61,7 @@ def start_changelog_stream(config: Config, spark: SparkSession, *, once: bool = 
         raise ConfigError("changelog.targets: cdc-apply follow-changelog brings the targets up from the change log "
                           "only when the pipeline's run leaves that to it (changelog.enabled: true, confirm_after: "
                           "changelog, targets: separate); two writers would fight over the targets' commits")
-    session = spark.newSession()
+    session = new_session(spark)
     changelog = ChangeLog(session, config)
     changelog.ensure()
     applier = BatchApplier(session, apply_options(config),

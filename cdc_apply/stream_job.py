@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import psycopg
 
+from cdc_apply.apply.session_kind import is_connect
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
 from cdc_apply.changelog_apply import TargetFollower, changelog_sink
-from cdc_apply.config import Config, SourceConfig
+from cdc_apply.config import Config, ConfigError, SourceConfig
 from cdc_apply.lake.location import Location, path_component
 from cdc_apply.lake.state import STATE_DIRECTORY
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
@@ -88,7 +89,15 @@ def start_stream(config: Config, spark: SparkSession, with_function: bool = Fals
     sink, follower = changelog_sink(config, applier, RunSummary(metrics=metrics))
     if sink.changelog is not None:
         sink.changelog.ensure()  # on this thread, before the follower reads it
-    apply = foreach_batch(config, metrics=metrics, sink=sink)
+    if is_connect(spark):
+        # The function runs in the Connect server's Python worker: it carries no client session and
+        # makes its sink there, at the first micro-batch, in the query's session.
+        if sink.changelog is not None:
+            raise ConfigError("changelog.enabled: the change log is kept by `cdc-apply stream` on a classic "
+                              "session only; on Spark Connect use `cdc-apply run --follow` for it")
+        apply = foreach_batch(config)
+    else:
+        apply = foreach_batch(config, metrics=metrics, sink=sink)
     apply.follower = follower  # type: ignore[attr-defined]
     writer = (reader.load().writeStream.foreachBatch(apply).queryName(config.pipeline)
               .option("checkpointLocation", checkpoint_location(config)))

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING
 
+from cdc_apply.apply.session_kind import new_session
 from cdc_apply.apply.collapse import Collapsed, Collapser, MultisetCollapser
 from cdc_apply.apply.columnar import CollapsedColumns, collapsed_columns, segment_rows
 from cdc_apply.apply.history import HistoryCollapser
@@ -106,7 +107,7 @@ class BatchApplier:
     def in_new_session(self) -> BatchApplier:
         """An applier of the same targets in a Spark session of its own (the per-commit confs are
         session state), for another thread that writes them."""
-        return BatchApplier(self.spark.newSession(), self.options, self.missing_value, self.registry)
+        return BatchApplier(new_session(self.spark), self.options, self.missing_value, self.registry)
 
     def _apply_spilled_apart(self, transactions: list[Transaction]) -> BatchResult:
         """The batch applied in parts: each spilled transaction alone, the runs of others between
@@ -181,7 +182,7 @@ class BatchApplier:
                               snapshot: bool) -> TableResult | None:
         session = getattr(self._thread_sessions, "spark", None)
         if session is None:
-            session = self._thread_sessions.spark = self.spark.newSession()
+            session = self._thread_sessions.spark = new_session(self.spark)
         return self.apply_table(oid, segments, version, snapshot, session)
 
     def app_id(self, oid: int) -> str:

@@ -4,7 +4,9 @@ questions of a session; everything else it does runs on either."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,3 +34,56 @@ def default_parallelism(spark: SparkSession) -> int:
     return int(spark.conf.get("spark.sql.shuffle.partitions", "2") or 2)
 
 
+
+
+def new_session(spark: SparkSession) -> SparkSession:
+    """A session of its own (its own confs and temporary views) on the same cluster, with the same
+    confs: a thread that sets commit confs must not share them with another thread's commits. On
+    Spark Connect, a new server-side session through the public builder, at the URL its first
+    session was built with (``remember_url``) or, in a server's foreachBatch worker, Spark's own."""
+    if not is_connect(spark):
+        return spark.newSession()
+    from pyspark.sql import SparkSession as Builder
+
+    url = _urls.get(spark.session_id) or os.environ.get("SPARK_CONNECT_LOCAL_URL") or os.environ.get("SPARK_REMOTE")
+    if not url:
+        raise RuntimeError("a second Spark Connect session is needed, but the server's URL is unknown: "
+                           "set spark.remote in the config or SPARK_REMOTE")
+    builder = Builder.builder.remote(url)
+    for key, value in spark.conf.getAll.items():  # type: ignore[attr-defined]
+        # SQL and Delta confs: what a session may set (the rest is the server's configuration)
+        if key.startswith(("spark.sql.", "spark.databricks.")) and not key.startswith(SERVER_SQL_CONFS):
+            builder = builder.config(key, value)
+    created = builder.create()
+    with _lock:
+        if not _created:
+            atexit.register(_stop_created)
+        _created.append(created)
+        _urls[created.session_id] = url
+    return created
+
+
+SERVER_SQL_CONFS = ("spark.sql.extensions", "spark.sql.catalog.", "spark.sql.warehouse.dir")
+
+
+def remember_url(spark: SparkSession, url: str) -> None:
+    """The Connect server ``spark`` was built against, for ``new_session``."""
+    with _lock:
+        _urls[spark.session_id] = url
+
+
+# A Connect session left to the garbage collector at the interpreter's exit can hang it (closing its
+# gRPC channel waits for threads that are gone): the sessions made here are stopped while it runs.
+_urls: dict[str, str] = {}
+_created: list[SparkSession] = []
+_lock = threading.Lock()
+
+
+def _stop_created() -> None:
+    with _lock:
+        created, _created[:] = list(_created), []
+    for session in created:
+        try:
+            session.stop()
+        except Exception:  # noqa: BLE001 - the server may be gone; the process is ending anyway
+            pass

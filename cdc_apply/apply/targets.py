@@ -340,14 +340,16 @@ class MergeStatement:
         return self._when("NOT MATCHED BY SOURCE", None, "DELETE")
 
     def execute(self) -> None:
+        # A global temporary view: the source may come from another session of the same Spark
+        # application than the target's, whose confs carry the commit's identity.
         spark = self.target.spark
         view = f"_cdc_apply_merge_source_{uuid.uuid4().hex}"
-        self.source.createOrReplaceTempView(view)
+        self.source.createOrReplaceGlobalTempView(view)
         try:
-            spark.sql(f"MERGE INTO {self.target.sql} AS t USING {view} AS s ON {self.condition} "
+            spark.sql(f"MERGE INTO {self.target.sql} AS t USING global_temp.{view} AS s ON {self.condition} "
                       + " ".join(self.clauses)).collect()
         finally:
-            spark.catalog.dropTempView(view)
+            spark.catalog.dropGlobalTempView(view)
 
 
 def _assignments(assignments: Mapping[str, str]) -> str:

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cdc_apply.apply.session_kind import remember_url
 from cdc_apply.spark.jars import resolve_jars
 from cdc_apply.spark.jvm import driver_java_options
 
@@ -109,6 +110,7 @@ def _connect_session(url: str, overrides: Mapping[str, str], register_pgoutput: 
         if not key.startswith(SERVER_DECIDES):
             builder = builder.config(key, value)
     spark = builder.getOrCreate()
+    remember_url(spark, url)
     if register_pgoutput:
         from cdc_apply.spark import datasource
 

@@ -1,0 +1,97 @@
+"""A Spark Connect server with Delta Lake, for the tests, the benchmarks and a developer's machine.
+
+Spark's own server (``org.apache.spark.sql.connect.service.SparkConnectServer``, in pyspark's jars),
+started through pyspark's ``spark-submit`` with the Delta jars and cdc_apply's session defaults.
+Its Python workers (the ``pgoutput`` and ``pgcopy`` data sources, ``foreachBatch`` functions) run
+this interpreter, so cdc_apply is importable there. A client reaches it at ``url``
+(``spark.remote`` in the config, or ``SPARK_REMOTE``).
+
+``cdc-apply connect-server [--port N]`` runs one in the foreground.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cdc_apply.pgserver import free_port
+from cdc_apply.spark.session import spark_conf
+
+SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+
+
+def server_command(port: int, overrides: Mapping[str, str] | None = None) -> list[str]:
+    import pyspark
+
+    home = os.path.dirname(os.path.realpath(pyspark.__file__))
+    command = [os.path.join(home, "bin", "spark-submit"), "--class", SERVER_CLASS]
+    for key, value in {**spark_conf(overrides), "spark.connect.grpc.binding.port": str(port)}.items():
+        if key == "spark.driver.extraJavaOptions":
+            command += ["--driver-java-options", value]
+        else:
+            command += ["--conf", f"{key}={value}"]
+    return [*command, "spark-internal"]
+
+
+def server_environment() -> dict[str, str]:
+    import pyspark
+
+    home = os.path.dirname(os.path.realpath(pyspark.__file__))
+    return {**os.environ, "SPARK_HOME": home, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+
+
+@dataclass
+class ConnectServer:
+    """``overrides``: Spark confs of the server (the config's ``spark`` section: S3A settings,
+    ``spark.master``, memory)."""
+
+    overrides: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    log: Path = field(default_factory=lambda: Path(tempfile.mkstemp(prefix="cdc-apply-connect-", suffix=".log")[1]))
+    _process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"sc://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120) -> ConnectServer:
+        self.port = self.port or free_port()
+        with open(self.log, "ab") as log:
+            self._process = subprocess.Popen(server_command(self.port, self.overrides), env=server_environment(),
+                                             stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"the Spark Connect server exited with {self._process.returncode}; see {self.log}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the Spark Connect server did not listen on port {self.port} in "
+                                       f"{timeout} s; see {self.log}") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            os.killpg(self._process.pid, signal.SIGTERM)
+            try:
+                self._process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._process.pid, signal.SIGKILL)
+                self._process.wait()
+        self._process = None
+
+    def __enter__(self) -> ConnectServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

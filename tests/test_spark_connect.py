@@ -1,0 +1,171 @@
+"""cdc_apply on a Spark Connect session, against Spark's own Connect server with Delta, started here
+(``cdc_apply/spark/connect_server.py``). The client processes have no JVM: every commit goes through
+Spark SQL, the DataFrame writer and the Delta log's files (docs/spark.md, "Spark Connect").
+
+- `run --once` (the copy, then the stream with updates, deletes, ADD COLUMN ... DEFAULT, a truncate,
+  a keyless table, soft deletes and SCD2 history): every target equals PostgreSQL, read by Spark and
+  by delta-rs, and a second run applies nothing twice.
+- a streaming query of ``format("pgoutput")`` with ``foreach_batch`` run by the server's Python worker,
+  and `cdc-apply stream` with its checkpoint.
+- kill -9 of a Connect client (`run --follow`) under load: 0 lost, 0 applied twice.
+- the classic session's public path (``target.delta_internals: false``) on the same workload.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from cdc_apply.bench.crash import CrashDrill, load_table_differences
+from cdc_apply.spark.connect_server import ConnectServer
+from tests.delta_oracle import delta_rows, source_types
+from tests.reference_apply import postgres_rows
+from tests.test_live import assert_delta_equals_postgres
+
+pytestmark = pytest.mark.spark
+
+TABLES = {"public.orders": ["id", "amount", "note", "n2"], "public.logbook": ["line"], "public.soft": ["id", "v"]}
+
+
+@pytest.fixture(scope="module")
+def connect():  # type: ignore[no-untyped-def]
+    with ConnectServer({"spark.master": "local[2]"}) as server:
+        yield server
+
+
+def _write_config(path: Path, conninfo: str, warehouse: Path, spark: dict[str, str], **sections: object) -> Path:
+    path.write_text(json.dumps({
+        "pipeline": "cx", "source": {"dsn": conninfo, "slot": "cx", "create_publication": True},
+        "target": {"warehouse": str(warehouse), **sections.pop("target", {})},  # type: ignore[dict-item]
+        "defaults": {"schema_policy": "evolve"}, "snapshot": {"range_pages": 2},
+        "tables": {"public.soft": {"delete_mode": "soft"}, "public.hist": {"scd_type": 2}},
+        "spark": spark, **sections}))
+    return path
+
+
+def _run(config: Path, *verb: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "-m", "cdc_apply.cli", *(verb or ("run", "--once")), "--config",
+                             str(config)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return result
+
+
+def _workload(conn: psycopg.Connection, step: int) -> None:
+    if step == 0:
+        conn.execute("CREATE TABLE orders (id int PRIMARY KEY, amount numeric(10,2))")
+        conn.execute("CREATE TABLE logbook (line text)")  # no key: insert-only
+        conn.execute("CREATE TABLE soft (id int PRIMARY KEY, v text)")
+        conn.execute("CREATE TABLE hist (id int PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO orders SELECT g, g * 1.5 FROM generate_series(1, 2000) g")  # > 2 pages: Spark's tasks
+        conn.execute("INSERT INTO logbook VALUES ('first'), ('first')")
+        conn.execute("INSERT INTO soft SELECT g, 'v' || g FROM generate_series(1, 20) g")
+        conn.execute("INSERT INTO hist VALUES (1, 'a'), (2, 'b')")
+        return
+    conn.execute("UPDATE orders SET amount = amount + 1 WHERE id % 3 = 0")
+    conn.execute("DELETE FROM orders WHERE id > 1990")
+    conn.execute("ALTER TABLE orders ADD COLUMN note text")
+    conn.execute("ALTER TABLE orders ADD COLUMN n2 int DEFAULT 7")  # earlier rows read 7: a backfill
+    conn.execute("INSERT INTO orders VALUES (100000, 1, 'with a note', 3)")
+    conn.execute("TRUNCATE logbook")
+    conn.execute("INSERT INTO logbook VALUES ('second')")
+    conn.execute("DELETE FROM soft WHERE id <= 5")
+    conn.execute("UPDATE soft SET v = 'changed' WHERE id = 6")
+    conn.execute("UPDATE hist SET v = 'a2' WHERE id = 1")
+    conn.execute("DELETE FROM hist WHERE id = 2")
+
+
+def _assert_equal(spark, conn: psycopg.Connection, warehouse: Path) -> None:  # type: ignore[no-untyped-def]
+    for name, columns in TABLES.items():
+        truth = postgres_rows(conn, name, columns)
+        where = "NOT _cdc_deleted" if name == "public.soft" else None
+        got = delta_rows(spark, str(warehouse / name.replace(".", "/")), columns, source_types(conn, name), where=where)
+        assert got == truth, f"{name}: {len(got)} rows in Delta, {len(truth)} in PostgreSQL"
+    history = spark.read.format("delta").load(str(warehouse / "public" / "hist"))
+    assert sorted((r.id, r.v, r._cdc_current) for r in history.collect()) == [
+        (1, "a", False), (1, "a2", True), (2, "b", False)]
+
+
+@pytest.mark.parametrize("mode", ["connect", "classic-public"])
+def test_run_once_copies_streams_and_evolves_through_public_apis(mode, db18, spark, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = tmp_path / "wh"
+    if mode == "connect":
+        config = _write_config(tmp_path / "c.json", conninfo, warehouse, {"spark.remote": connect.url})
+    else:  # a classic session (a JVM in the process) with Delta's internal classes switched off
+        config = _write_config(tmp_path / "c.json", conninfo, warehouse,
+                               {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"},
+                               target={"delta_internals": False})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        _workload(conn, 0)
+        first = _run(config)
+        assert "snapshot public.orders: 2000 rows" in first.stdout, first.stdout
+        _workload(conn, 1)
+        second = _run(config)
+        assert "public.orders" in second.stdout and "slot cx confirmed to" in second.stdout
+        _assert_equal(spark, conn, warehouse)
+        # Every commit is Delta's own writer's: no file appended outside it, none without its version.
+        orders = spark.sql(f"DESCRIBE HISTORY delta.`{warehouse}/public/orders`").collect()
+        assert {row.operation for row in orders} <= {"CREATE TABLE", "WRITE", "MERGE", "ADD COLUMNS",
+                                                      "SET TBLPROPERTIES", "OPTIMIZE"}, orders
+        # A third run finds nothing new and applies nothing twice.
+        versions = len(orders)
+        third = _run(config)
+        assert "batches 0" in third.stdout, third.stdout
+        assert len(spark.sql(f"DESCRIBE HISTORY delta.`{warehouse}/public/orders`").collect()) == versions
+        _assert_equal(spark, conn, warehouse)
+
+
+def test_a_streaming_query_with_foreach_batch_and_the_stream_verb(db18, spark, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``format("pgoutput")`` read by a Connect session, its micro-batches applied by ``foreach_batch``
+    in the server's Python worker; then `cdc-apply stream` (available now) from its checkpoint."""
+    from pyspark.sql import SparkSession
+
+    from cdc_apply.config import load_config
+    from cdc_apply.stream_job import start_stream
+
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = tmp_path / "wh"
+    config_path = _write_config(tmp_path / "c.json", conninfo, warehouse, {"spark.remote": connect.url},
+                                stream={"trigger": "available_now"})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        _workload(conn, 0)
+        _run(config_path)  # the copy
+        _workload(conn, 1)
+        client = SparkSession.builder.remote(connect.url).create()
+        try:
+            query = start_stream(load_config(config_path), client)
+            query.awaitTermination(300)
+            assert query.exception() is None
+            assert any(p["numInputRows"] for p in query.recentProgress)
+        finally:
+            client.stop()
+        _assert_equal(spark, conn, warehouse)
+        conn.execute("INSERT INTO orders VALUES (100001, 2, 'by the stream verb', 1)")
+        conn.execute("INSERT INTO logbook VALUES ('third')")
+        _run(config_path, "stream")
+        _assert_equal(spark, conn, warehouse)
+
+
+@pytest.mark.crash
+@pytest.mark.timeout(1200)
+def test_kill_9_of_a_connect_client_under_load(db18, spark, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`run --follow` on a Connect session, killed at each failpoint and at 2 random points: the server
+    outlives each client; after each kill nothing is lost, and at the end no row is applied twice."""
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    drill = CrashDrill("follow", conninfo, tmp_path, kills=2, seed=55, spark_conf={"spark.remote": connect.url})
+    drill.run()
+    assert not drill.problems, drill.problems
+    assert drill.failpoint_kills == 4 and drill.random_kills == 2
+    assert drill.load is not None and drill.load.committed > 30
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        assert_delta_equals_postgres(spark, conn, drill.warehouse)
+        assert load_table_differences(spark, conn, drill.warehouse) == {}
