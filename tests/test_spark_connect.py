@@ -122,35 +122,47 @@ def test_run_once_copies_streams_and_evolves_through_public_apis(mode, db18, spa
         _assert_equal(spark, conn, warehouse)
 
 
-def test_a_streaming_query_with_foreach_batch_and_the_stream_verb(db18, spark, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# A user's own streaming query on a Connect session. Run in a process of its own: a Connect session
+# switches pyspark's functions to Connect for the whole process (the tests' classic session included).
+USER_QUERY = """
+import sys
+from pyspark.sql import SparkSession
+from cdc_apply.spark import foreach_batch
+from cdc_apply.config import load_config
+from cdc_apply.spark.datasource import register
+from cdc_apply.stream_job import source_options
+
+config = load_config(sys.argv[1])
+spark = SparkSession.builder.remote(sys.argv[2]).getOrCreate()
+register(spark)
+query = (spark.readStream.format("pgoutput").options(**source_options(config.source, 20000)).load()
+         .writeStream.foreachBatch(foreach_batch(config)).option("checkpointLocation", sys.argv[3])
+         .trigger(availableNow=True).start())
+query.awaitTermination(300)
+assert query.exception() is None, query.exception()
+spark.stop()
+"""
+
+
+def test_foreach_batch_in_a_users_streaming_query_and_the_stream_verb(db18, spark, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``format("pgoutput")`` read by a Connect session, its micro-batches applied by ``foreach_batch``
-    in the server's Python worker; then `cdc-apply stream` (available now) from its checkpoint."""
-    from pyspark.sql import SparkSession
-
-    from cdc_apply.config import load_config
-    from cdc_apply.stream_job import start_stream
-
+    in the server's Python worker; then `cdc-apply stream` (available now) on the same slot."""
     server, dbname = db18
     conninfo = server.conninfo(dbname)
     warehouse = tmp_path / "wh"
-    config_path = _write_config(tmp_path / "c.json", conninfo, warehouse, {"spark.remote": connect.url},
-                                stream={"trigger": "available_now"})
+    config = _write_config(tmp_path / "c.json", conninfo, warehouse, {"spark.remote": connect.url},
+                           stream={"trigger": "available_now"})
     with psycopg.connect(conninfo, autocommit=True) as conn:
         _workload(conn, 0)
-        _run(config_path)  # the copy
+        _run(config)  # the copy
         _workload(conn, 1)
-        client = SparkSession.builder.remote(connect.url).create()
-        try:
-            query = start_stream(load_config(config_path), client)
-            query.awaitTermination(300)
-            assert query.exception() is None
-            assert any(p["numInputRows"] for p in query.recentProgress)
-        finally:
-            client.stop()
-        _assert_equal(spark, conn, warehouse)
+        result = subprocess.run([sys.executable, "-c", USER_QUERY, str(config), connect.url, str(tmp_path / "ckpt")],
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        _assert_equal(spark, conn, warehouse)  # the workload's second step: applied by the query alone
         conn.execute("INSERT INTO orders VALUES (100001, 2, 'by the stream verb', 1)")
         conn.execute("INSERT INTO logbook VALUES ('third')")
-        _run(config_path, "stream")
+        _run(config, "stream")
         _assert_equal(spark, conn, warehouse)
 
 
