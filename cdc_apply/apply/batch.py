@@ -61,6 +61,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# Delta's error when a commit recording a writer identity's version finds another commit of it first.
+CONCURRENT_TRANSACTION = "DELTA_CONCURRENT_TRANSACTION"
+MAX_OWN_CONFLICTS = 30
+
+
 class BatchApplier:
     """Applies batches of committed transactions to Delta targets. One per pipeline run."""
 
@@ -214,7 +219,12 @@ class BatchApplier:
 
         A value a column's mapped type cannot hold stops the batch, with nothing of it committed,
         except under ``schema_policy: evolve``: the column is switched to PostgreSQL's text (the
-        target column rewritten in place) and the table's batch applied again."""
+        target column rewritten in place) and the table's batch applied again.
+
+        A commit refused because another commit of this writer identity came first is planned again
+        from the table's log: on Spark Connect, a client killed mid-commit leaves its commit running
+        on the server, and the restarted client's one then finds it (docs/spark.md, "Spark Connect")."""
+        conflicts = 0
         while True:
             try:
                 return self._apply_table(oid, segments, versioning, snapshot, spark)
@@ -223,6 +233,16 @@ class BatchApplier:
                 target, _ = self.target(relation, self.options.for_table(relation.namespace, relation.name), spark)
                 self.schema.keep_as_text(target, relation, exc, segments[0].transactions[0].commit_lsn)
                 segments = self._converted_again(segments)
+            except Exception as exc:
+                if CONCURRENT_TRANSACTION not in str(exc) or conflicts >= MAX_OWN_CONFLICTS:
+                    raise
+                conflicts += 1
+                relation = segments[-1].relation
+                target, _ = self.target(relation, self.options.for_table(relation.namespace, relation.name), spark)
+                log.warning("%s: another commit of this pipeline's writer identity came first (%s); the table's "
+                            "log is read again", target.location, CONCURRENT_TRANSACTION)
+                self.target_states.forget(target)
+                time.sleep(min(conflicts, 5))
 
     def _converted_again(self, segments: list[TableChanges]) -> list[TableChanges]:
         """The segments with codecs built anew, after a column's type changed."""
