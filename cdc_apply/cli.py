@@ -262,6 +262,23 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_connect_server(args: argparse.Namespace) -> int:
+    from cdc_apply.config import load_config
+    from cdc_apply.spark.connect_server import ConnectServer
+
+    overrides = {k: v for k, v in load_config(args.config).spark.items() if k != "spark.remote"} if args.config else {}
+    server = ConnectServer(overrides, port=args.port).start()
+    print(f"Spark Connect server at {server.url} (log: {server.log}); stop with Ctrl-C", flush=True)
+    try:
+        while server.running():
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return EXIT_OK
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from cdc_apply.bench import run_bench
 
@@ -322,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
                   "(changelog.targets: separate)")
     follow.add_argument("--config", required=True, help="YAML config file")
     follow.add_argument("--once", action="store_true", help="apply what the log holds now, then exit")
+    connect = verb("connect-server", _cmd_connect_server, "run Spark's own Spark Connect server with Delta and "
+                   "cdc_apply's session defaults in the foreground (docs/spark.md)")
+    connect.add_argument("--port", type=int, default=15002, help="the gRPC port (default 15002)")
+    connect.add_argument("--config", help="YAML config: its spark section configures the server")
     status = verb("status", _cmd_status, "the slot's health and each table's applied position, as JSON "
                                          "(exit 1 when the slot does not exist)")
     status.add_argument("--config", required=True, help="YAML config")
@@ -373,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--mode", choices=["follow", "stream", "changelog"], default="follow",
                        help="crash: run --follow, stream, or run --follow with changelog.confirm_after: changelog; "
                             "restart: follow or stream")
+    bench.add_argument("--connect", action="store_true",
+                       help="restart: also as Spark Connect clients of a server started for the run, side by side")
     bench.add_argument("--kills", type=int, default=20, help="crash: random kill -9s, after the mode's failpoint kills")
     bench.add_argument("--seed", type=int, default=7, help="crash: the random kill points' seed")
     bench.add_argument("--warehouse", default=None,

@@ -39,6 +39,7 @@ def test_bench_apply_reports_merge_against_append(spark, capsys) -> None:  # typ
     assert re.search(r"ratio MERGE apply / append:\s+[0-9.]+x", output), output[-3000:]
     assert re.search(r"from a cached DataFrame: [0-9.]+ s; ratio MERGE apply / that: [0-9.]+x", output)
     assert re.search(r"row-by-row collapse of the same changes to its MERGE source: [0-9.]+ s", output)
+    assert re.search(r"the public path's checked append [0-9.]+ s \([0-9.]+x Delta's internal unchecked one\)", output)
 
 
 @pytest.mark.spark
@@ -118,7 +119,9 @@ def test_bench_snapshot_times_five_copies_of_the_same_rows(spark, capsys) -> Non
 @pytest.mark.spark
 @pytest.mark.pg
 def test_bench_restart_times_a_restarted_run_to_its_first_change(capsys) -> None:  # type: ignore[no-untyped-def]
-    result = bench_restart(rounds=1, mode="follow")
+    result = bench_restart(rounds=1, mode="follow", connect=True)
     report = capsys.readouterr().out
     assert re.search(r"process start -> first new change applied: median [0-9.]+ s", report), report
     assert 0 < result["streaming_s"] <= result["applied_s"], report
+    assert 0 < result["connect_streaming_s"] <= result["connect_applied_s"], report
+    assert re.search(r"first new change applied, Connect / classic: [0-9.]+x", report), report

@@ -59,7 +59,7 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
         if args.mode not in ("follow", "stream"):
             print(f"bench restart: --mode is follow or stream, not {args.mode}", file=sys.stderr)
             return 2
-        bench_restart(rounds=args.rounds, mode=args.mode)
+        bench_restart(rounds=args.rounds, mode=args.mode, connect=args.connect)
         return 0
     if name == "crash":
         from cdc_apply.bench.crash import bench_crash

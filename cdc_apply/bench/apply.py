@@ -198,19 +198,25 @@ def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batc
 
             print(f"{insert_rounds} rounds of {insert_batch:,} new rows: MERGE, then append, into the same table ...",
                   flush=True)
-            timings: dict[bool, list[float]] = {False: [], True: []}
+            # Three ways, taking turns: MERGE; an append through Delta's internal classes
+            # (apply/delta_internal.py), unchecked; an append through the public writer options, checked.
+            ways = ("merge", "append", "append-public")
+            timings: dict[str, list[float]] = {way: [] for way in ways}
             next_key = rows + changes + 1  # past every generated key
-            for version in range(insert_rounds * 2):
-                append = version % 2 == 1
+            internals = target.internals
+            for version in range(insert_rounds * len(ways)):
+                way = ways[version % len(ways)]
                 batch = collapse(list(insert_changes(next_key, insert_batch, (1 << 40) + version)))
                 assert batch.new_rows_only
                 next_key += insert_batch
+                target.internals = internals and way != "append-public"
                 started = time.perf_counter()
                 # As the pipeline does: its own last commit is the log's newest, so an append need not be checked.
                 commit = DataCommit("bench/new-rows", 100 + version, "{}", unwritten_at=target.log_version())
-                merge_collapsed(target, batch, dict(COLUMNS), ("id",), options, commit, append=append)
-                timings[append].append(time.perf_counter() - started)
-            new_rows_merge, new_rows_append = (statistics.median(timings[mode]) for mode in (False, True))
+                merge_collapsed(target, batch, dict(COLUMNS), ("id",), options, commit, append=way != "merge")
+                timings[way].append(time.perf_counter() - started)
+            target.internals = internals
+            new_rows_merge, new_rows_append, new_rows_public = (statistics.median(timings[way]) for way in ways)
 
             total = collapse_s + merge_s
             per_change_batched = total / changes
@@ -229,7 +235,9 @@ def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batc
                   f"{per_txn_s:.1f} s = {per_change_txn * 1e3:.2f} ms/change, "
                   f"{per_change_txn / per_change_batched:,.0f}x slower per change than batched")
             print(f"  a batch of {insert_batch:,} new rows (median of {insert_rounds}): MERGE {new_rows_merge:.2f} s, "
-                  f"append {new_rows_append:.2f} s: the append is {new_rows_merge / new_rows_append:.1f}x faster")
+                  f"append {new_rows_append:.2f} s: the append is {new_rows_merge / new_rows_append:.1f}x faster; "
+                  f"the public path's checked append {new_rows_public:.2f} s "
+                  f"({new_rows_public / new_rows_append:.2f}x Delta's internal unchecked one)")
             print(f"  peak memory: Python driver {before_rss:,.0f} MB holding the change rows, {merge_rss:,.0f} MB "
                   f"after the columnar collapse and MERGE, {_peak_rss_mb():,.0f} MB after the row-by-row collapse; "
                   f"JVM heap {_peak_jvm_heap_mb(spark):,.0f} MB")

@@ -53,24 +53,45 @@ def _restart_round(conn: psycopg.Connection, config: Path, log: Path, warehouse:
     return streaming_at if streaming_at is not None else applied, applied
 
 
-def bench_restart(rounds: int = 5, mode: str = "follow") -> dict[str, float]:
-    """``mode``: ``follow`` (`run --follow`) or ``stream`` (`cdc-apply stream`)."""
-    if mode not in READY:
-        raise ValueError(f"bench restart: --mode is follow or stream, not {mode!r}")
+def _rounds(rounds: int, mode: str, spark_conf: dict[str, str] | None) -> tuple[list[float], list[float]]:
+    """(seconds to streaming, seconds to the change applied) of each restart, on a server of its own."""
     with PgServer() as server, tempfile.TemporaryDirectory(prefix="cdc_apply_restart_") as directory:
-        config, warehouse, log = crash_config(Path(directory), server.dsn, mode, cli_settings=True)
+        config, warehouse, log = crash_config(Path(directory), server.dsn, mode, cli_settings=True,
+                                              spark_conf=spark_conf)
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             create_schema(conn, "load")
             conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (SLOT,))
             conn.execute("INSERT INTO accounts VALUES (1, 'first', 1, NULL, now())")
-            print(f"bench restart --mode {mode}: the first run copies the tables ...", flush=True)
-            _restart_round(conn, config, log, warehouse, mode, 0)
+            _restart_round(conn, config, log, warehouse, mode, 0)  # the first run copies the tables
             times = [_restart_round(conn, config, log, warehouse, mode, r) for r in range(1, rounds + 1)]
-    streaming = [t[0] for t in times]
-    applied = [t[1] for t in times]
-    print(f"bench restart --mode {mode} ({rounds} restarts, each applying one new transaction):")
+    return [t[0] for t in times], [t[1] for t in times]
+
+
+def _report(label: str, rounds: int, streaming: list[float], applied: list[float]) -> None:
+    print(f"{label} ({rounds} restarts, each applying one new transaction):")
     print(f"  process start -> streaming: median {statistics.median(streaming):.2f} s "
           f"({min(streaming):.2f}-{max(streaming):.2f})")
     print(f"  process start -> first new change applied: median {statistics.median(applied):.2f} s "
           f"({min(applied):.2f}-{max(applied):.2f}); goal <= 3 s")
-    return {"streaming_s": statistics.median(streaming), "applied_s": statistics.median(applied)}
+
+
+def bench_restart(rounds: int = 5, mode: str = "follow", connect: bool = False) -> dict[str, float]:
+    """``mode``: ``follow`` (`run --follow`) or ``stream`` (`cdc-apply stream`). ``connect``: also
+    the same restarts as Spark Connect clients of a server that stays up (started here), after the
+    classic ones, in the same run."""
+    if mode not in READY:
+        raise ValueError(f"bench restart: --mode is follow or stream, not {mode!r}")
+    print(f"bench restart --mode {mode}: classic sessions ...", flush=True)
+    streaming, applied = _rounds(rounds, mode, None)
+    _report(f"bench restart --mode {mode}, classic", rounds, streaming, applied)
+    result = {"streaming_s": statistics.median(streaming), "applied_s": statistics.median(applied)}
+    if connect:
+        from cdc_apply.spark.connect_server import ConnectServer
+
+        with ConnectServer() as server:
+            print(f"bench restart --mode {mode}: Spark Connect clients of {server.url} ...", flush=True)
+            streaming, applied = _rounds(rounds, mode, {"spark.remote": server.url})
+        _report(f"bench restart --mode {mode}, Spark Connect", rounds, streaming, applied)
+        result |= {"connect_streaming_s": statistics.median(streaming), "connect_applied_s": statistics.median(applied)}
+        print(f"  first new change applied, Connect / classic: {result['connect_applied_s'] / result['applied_s']:.2f}x")
+    return result

@@ -80,6 +80,9 @@ class ConnectServer:
                                        f"{timeout} s; see {self.log}") from None
                 time.sleep(0.1)
 
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
             os.killpg(self._process.pid, signal.SIGTERM)
