@@ -36,6 +36,7 @@ class LogState:
     version: int = -1
     configuration: dict[str, str] = field(default_factory=dict)
     writers: dict[str, WriterVersion] = field(default_factory=dict)
+    newest_file: tuple[int | None, int | None] = (None, None)  # the size and mtime of commit ``version``
 
     def applying(self, version: int, actions: Iterable[dict[str, Any]]) -> LogState:
         configuration, writers = self.configuration, dict(self.writers)
@@ -68,19 +69,25 @@ def log_state(table: str | Location, storage: Storage | None = None) -> LogState
     storage = storage or Storage()
     location = Location.parse(table)
     log_dir = location.child("_delta_log")
-    names = storage.names(log_dir)
+    entries = storage.entries(log_dir)
+    names = sorted(entries)
     commits = sorted(int(name[:-5]) for name in names if name.endswith(".json") and name[:-5].isdigit())
     with _states_lock:
         known = _states.get(str(location))
     newest = commits[-1] if commits else -1
-    if known is not None and known.version == newest:
+    newest_file = entries.get(f"{newest:020d}.json", (None, None))
+    if known is not None and known.version == newest and known.newest_file == newest_file:
         return known
-    if known is None or known.version > newest or known.version + 1 not in commits:
+    # Kept state goes on only from the very commit file it read last (a table deleted and written
+    # again at the location has other files under the same names).
+    if known is None or known.version >= newest or known.version + 1 not in commits \
+            or entries.get(f"{known.version:020d}.json", (None, None)) != known.newest_file:
         known = _from_checkpoint(storage, log_dir, names)
     state = known
     for number in commits:
         if number > state.version:
             state = state.applying(number, _json_actions(storage.read_text(log_dir.child(f"{number:020d}.json"))))
+    state = replace(state, newest_file=newest_file)
     if state.version >= 0:
         with _states_lock:
             _states[str(location)] = state

@@ -274,6 +274,10 @@ class Storage:
 
     def names(self, location: Location) -> list[str]:
         """The names directly under ``location`` (none when it does not exist)."""
+        return sorted(self.entries(location))
+
+    def entries(self, location: Location) -> dict[str, tuple[int | None, int | None]]:
+        """The names directly under ``location``, each with its size and modification time (ns)."""
         import pyarrow.fs as pafs
 
         filesystem, path = self.filesystem(location)
@@ -281,7 +285,7 @@ class Storage:
             infos = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
         except OSError as exc:
             raise StorageError(f"{location}: cannot list: {_reason(exc)}") from None
-        return sorted(info.base_name for info in infos)
+        return {info.base_name: (info.size, info.mtime_ns) for info in infos}
 
 
 @dataclass(frozen=True)
