@@ -76,6 +76,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_until_listening(process: subprocess.Popen[bytes], port: int, timeout: float, what: str, log: str) -> None:
+    """Until ``process`` (``what``, logging to ``log``) accepts connections on 127.0.0.1:``port``;
+    ``RuntimeError`` if it exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}; see {log}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not listen on port {port} in {timeout} s; see {log}") from None
+            time.sleep(0.05)
+
+
 def _service_user() -> pwd.struct_passwd | None:
     """The user the server runs as: None (ourselves) unless we are root."""
     if os.geteuid() != 0:

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cdc_apply.lake.location import S3A, Storage
-from cdc_apply.pgserver import free_port
+from cdc_apply.pgserver import free_port, wait_until_listening
 
 VERSITYGW_MODULE = "github.com/versity/versitygw/cmd/versitygw"
 VERSITYGW_VERSION = "v1.8.0"
@@ -71,17 +69,8 @@ class S3Server:
         self._process = subprocess.Popen(
             [str(binary), "--access", self.access_key, "--secret", self.secret_key, "--region", REGION,
              "--port", f"127.0.0.1:{self.port}", "posix", str(self.root)], stdout=log, stderr=log)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"versitygw exited with {self._process.returncode}; see {log.name}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"versitygw did not listen on port {self.port} in {timeout} s") from None
-                time.sleep(0.05)
+        wait_until_listening(self._process, self.port, timeout, "versitygw", log.name)
+        return self
 
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cdc_apply.pgserver import free_port
+from cdc_apply.pgserver import free_port, wait_until_listening
 from cdc_apply.spark.session import spark_conf
 
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
@@ -67,18 +65,8 @@ class ConnectServer:
         with open(self.log, "ab") as log:
             self._process = subprocess.Popen(server_command(self.port, self.overrides), env=server_environment(),
                                              stdout=log, stderr=log, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"the Spark Connect server exited with {self._process.returncode}; see {self.log}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the Spark Connect server did not listen on port {self.port} in "
-                                       f"{timeout} s; see {self.log}") from None
-                time.sleep(0.1)
+        wait_until_listening(self._process, self.port, timeout, "the Spark Connect server", str(self.log))
+        return self
 
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
