@@ -47,13 +47,12 @@ class TargetStates:
         return self._read(target)
 
     def _read(self, target: Target) -> TargetState:
-        if not target.exists():
+        log = target.log()  # the version, the writers and the properties of one log version, in one read
+        if log.version < 0:
             self.forget(target)
             return TargetState(False, -1)
-        # The version first: state read after it can only be newer, and then the next check of
-        # the version finds a newer one and reads again.
-        version = target.log_version()
-        state = TargetState(True, version, target.committed_versions(), target.source_state(), target.data_types())
+        writers = {app_id: writer.version for app_id, writer in log.writers.items()}
+        state = TargetState(True, log.version, writers, target.source_state(log.configuration), target.data_types())
         with self._lock:
             self._entries[target.location] = state
         return state

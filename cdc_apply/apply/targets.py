@@ -137,7 +137,9 @@ class Target:
             _named_locations[self.location] = found
         return found
 
-    def _log(self) -> LogState:
+    def log(self) -> LogState:
+        """The table's newest version, properties and writers' versions, in one read of its log
+        (version -1: no table)."""
         if self.by_name and not self.exists():
             return LogState()
         return log_state(self.table_location(), self.storage)
@@ -145,11 +147,12 @@ class Target:
     def properties(self) -> dict[str, str]:
         """The table's properties, from the newest metadata in its log (no ``DESCRIBE DETAIL``, which
         rebuilds the file list for its size figures)."""
-        return dict(self._log().configuration)
+        return dict(self.log().configuration)
 
-    def source_state(self) -> SourceState | None:
-        """None for a Delta table cdc_apply did not create (it is then adopted as it is)."""
-        text = self.properties().get(SOURCE_PROPERTY)
+    def source_state(self, properties: Mapping[str, str] | None = None) -> SourceState | None:
+        """None for a Delta table cdc_apply did not create (it is then adopted as it is).
+        ``properties``: the table's, when the caller has read them already."""
+        text = (self.properties() if properties is None else properties).get(SOURCE_PROPERTY)
         return SourceState.from_json(text) if text else None
 
     def committed_version(self, app_id: str) -> int | None:
@@ -159,11 +162,11 @@ class Target:
     def committed_versions(self) -> dict[str, int]:
         """Every writer identity's last ``txnVersion`` (Delta's SetTransactions): app id -> version,
         read from the log's files, not by rebuilding the table state with Spark jobs."""
-        return {app_id: writer.version for app_id, writer in self._log().writers.items()}
+        return {app_id: writer.version for app_id, writer in self.log().writers.items()}
 
     def log_version(self) -> int:
         """The newest version in the Delta log (-1: no table)."""
-        return self._log().version
+        return self.log().version
 
     def commit_is(self, log_version: int, app_id: str | None, txn_version: int, user_metadata: str) -> bool:
         """Whether the commit ``log_version`` is the one a writer made with these confs: its
@@ -205,7 +208,7 @@ class Target:
         job, and Delta's check may rebuild the table state. Seconds of each table's initial copy."""
         from cdc_apply.apply.sessionconf import delta_commit_conf
 
-        state = self._log()
+        state = self.log()
         held = state.writers.get(app_id)
         if held is not None and held.version >= version:
             return
