@@ -26,6 +26,7 @@ from cdc_apply.bench.crash import CrashDrill, load_table_differences
 from cdc_apply.spark.connect_server import ConnectServer
 from tests.delta_oracle import delta_rows, source_types
 from tests.reference_apply import postgres_rows
+from tests.test_crash import CRASH_TEST_KILLS
 from tests.test_live import assert_delta_equals_postgres
 
 pytestmark = pytest.mark.spark
@@ -183,14 +184,15 @@ def test_foreach_batch_in_a_users_streaming_query_and_the_stream_verb(db18, spar
 @pytest.mark.crash
 @pytest.mark.timeout(1200)
 def test_kill_9_of_a_connect_client_under_load(db18, spark, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """`run --follow` on a Connect session, killed at each failpoint and at 2 random points: the server
+    """`run --follow` on a Connect session, killed at each failpoint and at random points: the server
     outlives each client; after each kill nothing is lost, and at the end no row is applied twice."""
     server, dbname = db18
     conninfo = server.conninfo(dbname)
-    drill = CrashDrill("follow", conninfo, tmp_path, kills=2, seed=55, spark_conf={"spark.remote": connect.url})
+    drill = CrashDrill("follow", conninfo, tmp_path, kills=CRASH_TEST_KILLS, seed=55,
+                       spark_conf={"spark.remote": connect.url})
     drill.run()
     assert not drill.problems, drill.problems
-    assert drill.failpoint_kills == 4 and drill.random_kills == 2
+    assert drill.failpoint_kills == 4 and drill.random_kills == CRASH_TEST_KILLS
     assert drill.load is not None and drill.load.committed > 30
     with psycopg.connect(conninfo, autocommit=True) as conn:
         assert_delta_equals_postgres(spark, conn, drill.warehouse)

@@ -56,6 +56,7 @@ MODES = ("follow", "stream", "changelog")
 STAGES = ("after_receive", "after_decode", "between_tables", "before_confirm")
 SLOT = "crash"
 PIPELINE = "crash"
+MODE_FAILPOINTS: dict[str, tuple[str, ...]] = {"follow": STAGES, "stream": ("between_tables",), "changelog": ()}
 READY = {"follow": "streaming slot", "stream": "cdc_apply.stream_job: streaming query"}
 FIRST_BATCH = "cdc_apply.spark.foreach: batch"
 MIN_LOAD_SECONDS = 5.0
@@ -218,10 +219,14 @@ class CrashDrill:
     progress: Callable[[str], None] | None = None  # told of each kill (the bench prints it)
     warehouse_uri: str | None = None  # an object store's warehouse instead of directory/wh ...
     spark_conf: Mapping[str, str] = field(default_factory=dict)  # ... and how to reach it
+    failpoints: tuple[str, ...] | None = None  # the failpoint kills; None: every one of the mode's
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown crash mode {self.mode!r} (one of {', '.join(MODES)})")
+        unknown = set(self.failpoints or ()) - set(MODE_FAILPOINTS[self.mode])
+        if unknown:
+            raise ValueError(f"{self.mode} has no failpoint {', '.join(sorted(unknown))}")
         self.config, self.warehouse, self.log = crash_config(self.directory, self.conninfo, self.mode,
                                                              warehouse=self.warehouse_uri, spark_conf=self.spark_conf)
         self.storage = Storage.from_spark_conf(self.spark_conf)
@@ -272,7 +277,9 @@ class CrashDrill:
             self.progress(what)
 
     def _failpoints(self) -> tuple[str, ...]:
-        return {"follow": STAGES, "stream": ("between_tables",), "changelog": ()}[self.mode]
+        if self.failpoints is not None:
+            return self.failpoints
+        return MODE_FAILPOINTS[self.mode]
 
     def _check(self, conn: psycopg.Connection, after: str) -> None:
         assert self.load is not None
