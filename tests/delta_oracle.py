@@ -170,8 +170,9 @@ def delta_rows(spark: SparkSession, path: str, columns: list[str], types: dict[s
 
 
 def spark_rows(spark: SparkSession, path: str, columns: list[str], types: dict[str, PgType],
-               where: str | None = None) -> list[tuple[str | None, ...]]:
-    frame = spark.read.format("delta").load(path)
+               where: str | None = None, by_name: bool = False) -> list[tuple[str | None, ...]]:
+    """``by_name``: ``path`` is a catalog table's name."""
+    frame = spark.read.table(path) if by_name else spark.read.format("delta").load(path)
     if where:
         frame = frame.where(where)
     fields = {f.name: f.dataType for f in frame.schema.fields}

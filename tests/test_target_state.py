@@ -101,7 +101,7 @@ def test_targets_are_compacted_every_n_commits_and_keep_their_rows(captured, spa
 def _rebuilt_writers(target: Target) -> dict[str, int]:
     """Delta's own answer, from the table state rebuilt by Spark jobs."""
     empty = target.spark._jvm.scala.Option.empty()
-    snapshot = delta_internal.delta_log(target.spark, target.location, target.by_name).update(False, empty, empty)
+    snapshot = delta_internal.delta_log(target.spark, target.table_location()).update(False, empty, empty)
     return _scala_map(snapshot.transactions(), int)
 
 

@@ -35,23 +35,21 @@ def available(spark: SparkSession) -> bool:
     return not is_connect(spark)
 
 
-def delta_log(spark: SparkSession, location: str, by_name: bool) -> Any:
-    """Delta's ``DeltaLog`` of a table, with ``spark`` set as the JVM thread's active session: a py4j
-    thread of ours (a parallel table, a foreachBatch callback) may have none, and Delta's snapshot
-    would then fail with DELTA_SPARK_SESSION_NOT_SET."""
+def delta_log(spark: SparkSession, location: str) -> Any:
+    """Delta's ``DeltaLog`` of the table at ``location`` (a catalog table's: its location), with
+    ``spark`` set as the JVM thread's active session: a py4j thread of ours (a parallel table, a
+    foreachBatch callback) may have none, and Delta's snapshot would then fail with
+    DELTA_SPARK_SESSION_NOT_SET."""
     jvm = spark._jvm  # type: ignore[attr-defined]
     jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)  # type: ignore[attr-defined]
-    log = jvm.org.apache.spark.sql.delta.DeltaLog
-    if by_name:
-        return log.forTable(spark._jsparkSession, jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply(location))  # type: ignore[attr-defined]
-    return log.forTable(spark._jsparkSession, location)  # type: ignore[attr-defined]
+    return jvm.org.apache.spark.sql.delta.DeltaLog.forTable(spark._jsparkSession, location)  # type: ignore[attr-defined]
 
 
-def open_known_version_append(spark: SparkSession, location: str, by_name: bool, app_id: str,
+def open_known_version_append(spark: SparkSession, location: str, app_id: str,
                               read_at: int) -> KnownVersionAppend | None:
     """A transaction for an append of ``app_id``'s next version, opened at log version ``read_at``;
     None when the log has moved past it."""
-    transaction = delta_log(spark, location, by_name).startTransaction()
+    transaction = delta_log(spark, location).startTransaction()
     if int(transaction.snapshot().version()) != read_at:
         return None
     transaction.readTxn().addOne(app_id)
@@ -62,7 +60,7 @@ def open_file_append(spark: SparkSession, location: str, partition_by: Sequence[
                      read_at: int | None) -> FileAppend | None:
     """See ``Target.open_file_append``; the table's own refusals are decided here, from the
     transaction's metadata."""
-    transaction = delta_log(spark, location, False).startTransaction()
+    transaction = delta_log(spark, location).startTransaction()
     if read_at is not None and int(transaction.snapshot().version()) != read_at:
         return None
     metadata = transaction.metadata()

@@ -26,13 +26,19 @@ from cdc_apply.apply.options import (
     COMMIT_LSN, COMMIT_TS, CURRENT, DELETED, METADATA_PREFIX, VALID_FROM, VALID_TO, ApplyOptions, TableOptions,
 )
 from cdc_apply.apply.schema import SourceColumn
+from cdc_apply.errors import CdcApplyError
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 SOURCE_PROPERTY = "cdc_apply.source"
+BY_NAME_KEYS = "target.name_template, a table's name or changelog.name"
 _named_locations: dict[str, str] = {}  # a table by name -> its location, read once from the catalog
 _NEEDS_COLUMN_MAPPING = re.compile(r"[ ,;{}()\n\t=]")
+
+
+class TargetCatalogError(CdcApplyError):
+    """A target by catalog name that the session's catalog cannot keep or hold."""
 
 
 def quote(name: str) -> str:
@@ -238,7 +244,8 @@ class Target:
         (the caller writes through the public path)."""
         if not self.internals:
             return None
-        return delta_internal.open_known_version_append(self.spark, self.location, self.by_name, app_id, read_at)
+        # By its location: Delta's TableIdentifier would take a name's dots as part of the table's name.
+        return delta_internal.open_known_version_append(self.spark, self.table_location(), app_id, read_at)
 
     def open_file_append(self, partition_by: Sequence[str] = (), app_id: str | None = None,
                          read_at: int | None = None, storage: Storage | None = None) -> delta_internal.FileAppend | None:
@@ -290,8 +297,34 @@ class Target:
             self.write(self.spark.createDataFrame([], ddl), "overwrite", options.partition_by, overwriteSchema="true")
             return
         partitioned = f" PARTITIONED BY ({', '.join(map(quote, options.partition_by))})" if options.partition_by else ""
-        self.spark.sql(f"CREATE TABLE IF NOT EXISTS {self.sql} ({ddl}) USING delta{partitioned} "
-                       f"TBLPROPERTIES ({props})")
+        if self.by_name:
+            self._refuse_a_catalog_that_forgets()
+        try:
+            self.spark.sql(f"CREATE TABLE IF NOT EXISTS {self.sql} ({ddl}) USING delta{partitioned} "
+                           f"TBLPROPERTIES ({props})")
+        except Exception as exc:
+            if self.by_name and "SCHEMA_NOT_FOUND" in str(exc):
+                # Not created for the user: in a governed catalog (Unity Catalog, Glue) a schema is an
+                # administrator's decision, with its own owner, location and grants.
+                raise TargetCatalogError(
+                    f"{BY_NAME_KEYS}: the target {self.location}: its schema does not exist in the catalog; "
+                    f"create it first (CREATE SCHEMA ...), or name a schema that exists") from None
+            raise
+
+    def _refuse_a_catalog_that_forgets(self) -> None:
+        """A name in Spark's default session catalog when that is the in-memory one: the table would be
+        gone from the catalog when the job ends, and the next run would make another (docs/spark.md,
+        "Catalog targets"). A name in another configured catalog (``spark.sql.catalog.<name>``) is
+        that catalog's business."""
+        first = self.location.split(".", 1)[0].strip("`")
+        if first != "spark_catalog" and self.spark.conf.get(f"spark.sql.catalog.{first}", None):
+            return
+        if self.spark.conf.get("spark.sql.catalogImplementation", "in-memory") == "in-memory":
+            raise TargetCatalogError(
+                f"{BY_NAME_KEYS}: the target {self.location} is a catalog table, and this Spark session's "
+                f"catalog is Spark's in-memory one, which forgets it when the job ends. Configure a persistent "
+                f"catalog (spark.sql.catalogImplementation: hive and a metastore, or your platform's catalog; "
+                f"docs/spark.md, \"Catalog targets\"), or write by path (without a name)")
 
 
 def target_at(spark: SparkSession, options: ApplyOptions, location: str, by_name: bool) -> Target:
