@@ -37,11 +37,11 @@ from cdc_apply.apply.plan import Versioning
 from cdc_apply.apply.options import MAX_PIECE_BYTES
 from cdc_apply.lake.state import AppliedPosition
 from cdc_apply.assemble import DEFAULT_SPILL_BYTES, ChangeBuffer, SpilledChanges, Transaction
-from cdc_apply.changelog import ChangeLog, enabled_changelog
+from cdc_apply.changelog import ChangeLog
 from cdc_apply.config import BatchingConfig, Config
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn, pg_us_to_unix_us
-from cdc_apply.sink import DeltaSink, RunSummary
+from cdc_apply.sink import RunSummary
 from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, micro_batch_changes, relation_of
 from cdc_apply.spark.log_collapse import REFUSED, collapse_on_executors, groups_for
 
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, Row
 
     from cdc_apply.changerows.codec import PortableCodec
-    from cdc_apply.snapshot import Snapshotter
 
 log = logging.getLogger(__name__)
 
@@ -468,19 +467,3 @@ def targets_from_changelog(changelog: ChangeLog, stream_applier: BatchApplier, s
     return ChangeLogApplier(changelog, stream_applier.in_new_session(), max_changes=batching.max_changes,
                             position=AppliedPosition(stream_applier.options.state),
                             applied=applied, spill_bytes=batching.spill_bytes)
-
-
-def changelog_sink(config: Config, applier: BatchApplier, summary: RunSummary,
-                   snapshotter: Snapshotter | None = None) -> tuple[DeltaSink, TargetFollower | None]:
-    """A run's sink with the change log as ``config.changelog`` says (``run --follow`` and ``cdc-apply
-    stream`` alike), and the follower that brings the targets up from the log under
-    ``confirm_after: changelog`` with ``targets: in_process``. The caller starts the follower once the
-    targets are copied, after ``changelog.ensure()``, and stops it."""
-    changelog = enabled_changelog(applier.spark, config)
-    follower = None
-    if changelog is not None and config.changelog.follower == "in_process":
-        follower = TargetFollower(targets_from_changelog(changelog, applier, summary, config.batching))
-    large_transactions_from_changelog(changelog, applier, config)
-    sink = DeltaSink(applier, summary, snapshotter, changelog,
-                     follower.logged if follower is not None else targets_follow_elsewhere(config))
-    return sink, follower

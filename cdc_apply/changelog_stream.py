@@ -26,7 +26,6 @@ import logging
 from typing import TYPE_CHECKING
 
 from cdc_apply.apply.session_kind import new_session
-from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
 from cdc_apply.changelog import ChangeLog
 from cdc_apply.changelog_apply import ChangeLogApplier
@@ -34,9 +33,9 @@ from cdc_apply.lake.state import AppliedPosition
 from cdc_apply.config import Config, ConfigError
 from cdc_apply.lake.location import path_component
 from cdc_apply.lsn import format_lsn
+from cdc_apply.parts import source_applier
 from cdc_apply.sink import RunSummary
 from cdc_apply.spark.log_files import COPY_XID
-from cdc_apply.sources.catalog import SourceCatalog
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -64,8 +63,7 @@ def start_changelog_stream(config: Config, spark: SparkSession, *, once: bool = 
     session = new_session(spark)
     changelog = ChangeLog(session, config)
     changelog.ensure()
-    applier = BatchApplier(session, apply_options(config),
-                           missing_value=SourceCatalog(config.source.conninfo()).missing_value)
+    applier = source_applier(config, session)
     summary = RunSummary()
     from_log = ChangeLogApplier(changelog, applier, max_changes=config.batching.max_changes,
                                 position=AppliedPosition(apply_options(config).state),

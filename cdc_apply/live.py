@@ -31,19 +31,16 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from cdc_apply.apply.batch import BatchApplier
-from cdc_apply.apply.options import apply_options
-from cdc_apply.changelog_apply import changelog_sink
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
+from cdc_apply.parts import run_parts
 from cdc_apply.pgoutput.framing import Keepalive
 from cdc_apply.pipeline import prepare_source
 from cdc_apply.replication import BatchCut, ReplicationCore
 from cdc_apply.runtime import StopFlag
 from cdc_apply.sink import RunSummary
-from cdc_apply.snapshot import Snapshotter
 from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sources.raw import RawMessage
@@ -67,13 +64,13 @@ class LiveReplicator:
     def __init__(self, config: Config, spark: SparkSession, stop: StopFlag) -> None:
         self.config = config
         self.stop = stop
-        self.applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(config.source.conninfo()).missing_value)
-        self.snapshotter = Snapshotter(config, self.applier)
         self.metrics = PipelineMetrics(config.pipeline, config.source.status_interval_seconds)
         self.metrics_server: MetricsServer | None = None
         self.health = HealthMonitor(config.source, self.metrics)
         self.summary = RunSummary(metrics=self.metrics)
-        self.sink, self.follower = changelog_sink(config, self.applier, self.summary, self.snapshotter)
+        parts = run_parts(config, spark, self.summary)
+        self.applier, self.snapshotter, self.sink = parts.applier, parts.snapshotter, parts.sink
+        self.follower = parts.follower
         self.changelog = self.sink.changelog
         self.confirmed = 0
         self.previous_reader: tuple[str, int, int] | None = None  # host, port, backend PID of the last stream

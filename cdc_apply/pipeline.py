@@ -16,22 +16,17 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.delta_log import writer_versions
 from cdc_apply.apply.options import apply_options
 from cdc_apply.lake.state import TargetRegistry
 from cdc_apply.assemble import Transaction
-from cdc_apply.changelog import enabled_changelog
-from cdc_apply.changelog_apply import (
-    large_transactions_from_changelog, targets_follow_elsewhere, targets_from_changelog,
-)
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
+from cdc_apply.parts import run_parts
 from cdc_apply.replication import ReplicationCore
 from cdc_apply.runtime import StopFlag
-from cdc_apply.sink import DeltaSink, RunSummary
-from cdc_apply.snapshot import Snapshotter
+from cdc_apply.sink import RunSummary
 from cdc_apply.sources.catalog import SourceCatalog, read_type_facts
 from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sources.preflight import PreflightError, check_source, ensure_publication_and_slot, protocol_options
@@ -107,24 +102,16 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
     with psycopg.connect(source.conninfo(), autocommit=True) as conn:
         options = _prepare(conn, config)
         upto = current_wal_lsn(conn)
-        applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(source.conninfo()).missing_value)
-        snapshotter = Snapshotter(config, applier)
-        summary.snapshots += snapshotter.sync()
-        changelog = enabled_changelog(spark, config)
-        from_log = None
-        if changelog is not None and config.changelog.follower == "in_process":
-            from_log = targets_from_changelog(changelog, applier, summary, config.batching)
         # confirm_after: changelog: the batches only go to the log; the targets follow at the end (in_process),
         # or cdc-apply follow-changelog brings them up (separate).
-        large_transactions_from_changelog(changelog, applier, config)
-        sink = DeltaSink(applier, summary, snapshotter, changelog,
-                         (lambda batch: None) if from_log else targets_follow_elsewhere(config))
+        parts = run_parts(config, spark, summary, follower=False)
+        summary.snapshots += parts.snapshotter.sync()
         advance = _slot_advancer(conn, config, summary)
         log.info("reading slot %s of %s up to %s", source.slot, source.describe(), format_lsn(upto))
         limit = config.batching.max_changes
         while stop is None or not stop.event.is_set():
             summary.rounds += 1
-            with ReplicationCore(sink, advance, confirmed=confirmed_flush(conn, source.slot),
+            with ReplicationCore(parts.sink, advance, confirmed=confirmed_flush(conn, source.slot),
                                  spill_bytes=config.batching.spill_bytes, skip_origins=source.skip_origins,
                                  type_facts=SourceCatalog(source.conninfo()).type_facts) as core:
                 raws = list(read_changes(conn, source.slot, options, upto_lsn=upto, upto_nchanges=limit))
@@ -139,8 +126,8 @@ def drain(config: Config, spark: SparkSession, *, stop: StopFlag | None = None) 
                         continue
                     break  # only undecided (prepared or open streamed) transactions are left
             limit = config.batching.max_changes
-    if from_log is not None:
-        from_log.catch_up()
+    if parts.from_log is not None:
+        parts.from_log.catch_up()
     return summary
 
 

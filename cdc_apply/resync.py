@@ -17,12 +17,10 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from cdc_apply.apply.batch import BatchApplier
-from cdc_apply.apply.options import apply_options
 from cdc_apply.config import Config, ConfigError
+from cdc_apply.parts import copier
 from cdc_apply.pipeline import prepare_source
-from cdc_apply.snapshot import Snapshotter, TableSnapshot
-from cdc_apply.sources.catalog import SourceCatalog
+from cdc_apply.sink import TableSnapshot
 from cdc_apply.sources.health import publication_tables
 
 if TYPE_CHECKING:
@@ -45,5 +43,4 @@ def published_oids(config: Config, tables: Sequence[str] | None) -> list[int]:
 
 def resync(config: Config, spark: SparkSession, oids: Sequence[int]) -> list[TableSnapshot]:
     """Re-copy the tables of ``oids`` (from ``published_oids``)."""
-    applier = BatchApplier(spark, apply_options(config), missing_value=SourceCatalog(config.source.conninfo()).missing_value)
-    return Snapshotter(config, applier).resync(oids)
+    return copier(config, spark).resync(oids)

@@ -14,13 +14,40 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from typing import Protocol
+
 from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.assemble import Transaction
-from cdc_apply.changelog import ChangeLog
 from cdc_apply.changerows.columns import ParsedRows
 from cdc_apply.lsn import pg_us_to_unix_us
 from cdc_apply.metrics import PipelineMetrics
-from cdc_apply.snapshot import Snapshotter, TableSnapshot
+
+
+@dataclass
+class TableSnapshot:
+    """One table's initial copy, as a run reports it."""
+
+    table: str
+    rows: int
+    consistent_lsn: int
+    seconds: float
+    method: str = "key order"  # "ranges": Spark's tasks copied it; "key order": the driver did
+
+
+# The sink's two ports: what it asks of the copy and of the change log, which sit above it and hand
+# themselves in (docs/architecture.md, "Import rules").
+class NewTableCopier(Protocol):
+    """Copies the tables a batch touches that have no target yet (``snapshot.Snapshotter``)."""
+
+    def sync_new(self, transactions: list[Transaction]) -> list[TableSnapshot]: ...
+
+
+class ChangeLogAppender(Protocol):
+    """The change log that batches go to before any target (``changelog.ChangeLog``)."""
+
+    pieces_written: int  # pieces of spilled transactions in the last append
+
+    def append(self, transactions: list[Transaction]) -> int: ...
 
 
 @dataclass
@@ -68,8 +95,9 @@ class RunSummary:
 
 
 class DeltaSink:
-    def __init__(self, applier: BatchApplier, summary: RunSummary, snapshotter: Snapshotter | None = None,
-                 changelog: ChangeLog | None = None, targets_from_changelog: Callable[[list[Transaction]], None] | None = None) -> None:
+    def __init__(self, applier: BatchApplier, summary: RunSummary, snapshotter: NewTableCopier | None = None,
+                 changelog: ChangeLogAppender | None = None,
+                 targets_from_changelog: Callable[[list[Transaction]], None] | None = None) -> None:
         """``snapshotter=None``: no source to copy from (replay). ``changelog``: the change log the
         batches go to first (``changelog.enabled``). ``targets_from_changelog``: under
         ``confirm_after: changelog``, told the batch instead of applying it once the log holds it

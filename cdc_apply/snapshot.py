@@ -57,6 +57,7 @@ from cdc_apply.failpoints import failpoint
 from cdc_apply.lake.state import ResyncMarks
 from cdc_apply.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_datetime
 from cdc_apply.progress import progress
+from cdc_apply.sink import TableSnapshot
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.sources.slot import confirmed_flush
 from cdc_apply.sources.copy_text import CopyRows
@@ -69,14 +70,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class TableSnapshot:
-    table: str
-    rows: int
-    consistent_lsn: int
-    seconds: float
-    method: str = "key order"  # "ranges": Spark's tasks copied it; "key order": the driver did
 
 
 class Snapshotter:

@@ -21,19 +21,18 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import psycopg
 
 from cdc_apply.apply.session_kind import is_connect
-from cdc_apply.apply.batch import BatchApplier
-from cdc_apply.apply.options import apply_options
-from cdc_apply.changelog_apply import TargetFollower, changelog_sink
+from cdc_apply.changelog_apply import TargetFollower
 from cdc_apply.config import Config, ConfigError, SourceConfig
 from cdc_apply.lake.location import Location, path_component
 from cdc_apply.lake.state import STATE_DIRECTORY
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
+from cdc_apply.parts import run_parts
 from cdc_apply.pipeline import prepare_source
 from cdc_apply.runtime import StopFlag
 from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sink import RunSummary
 from cdc_apply.spark.datasource import register as register_pgoutput
-from cdc_apply.spark.foreach import foreach_batch, source_missing_value
+from cdc_apply.spark.foreach import foreach_batch
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -85,8 +84,8 @@ def start_stream(config: Config, spark: SparkSession, with_function: bool = Fals
     limit = config.stream.max_changes_per_trigger or config.batching.max_changes
     register_pgoutput(spark)
     reader = spark.readStream.format("pgoutput").options(**source_options(config.source, limit))
-    applier = BatchApplier(spark, apply_options(config), missing_value=source_missing_value(config))
-    sink, follower = changelog_sink(config, applier, RunSummary(metrics=metrics))
+    parts = run_parts(config, spark, RunSummary(metrics=metrics), sink_copies=False)
+    sink, follower = parts.sink, parts.follower
     if sink.changelog is not None:
         sink.changelog.ensure()  # on this thread, before the follower reads it
     if is_connect(spark):

@@ -10,8 +10,12 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cdc_apply"
 RUNNERS = {"cdc_apply.pipeline", "cdc_apply.live", "cdc_apply.replay", "cdc_apply.cli", "cdc_apply.airflow",
-           "cdc_apply.demo", "cdc_apply.stream_job", "cdc_apply.decode_cli", "cdc_apply.snapshot", "cdc_apply.status",
-           "cdc_apply.resync"}
+           "cdc_apply.demo", "cdc_apply.stream_job", "cdc_apply.decode_cli", "cdc_apply.status", "cdc_apply.resync",
+           "cdc_apply.changelog_stream"}
+# The composition root (cdc_apply/parts.py) and the parts it wires, which stand apart below it.
+ROOT = "cdc_apply.parts"
+COPY = "cdc_apply.snapshot"
+CHANGELOG = ("cdc_apply.changelog", "cdc_apply.changelog_apply")
 
 
 def _module_name(path: Path) -> str:
@@ -59,9 +63,36 @@ def _violations(source_prefix: str, target_prefixes: tuple[str, ...] | set[str])
     ("cdc_apply.assemble", ("pyspark", "delta")),
     # the lake (where files live, the pipeline's state) sits below apply, the copy, the change log and Spark
     ("cdc_apply.lake", ("cdc_apply.apply", "cdc_apply.spark", "cdc_apply.sources", "pyspark", "delta", *RUNNERS)),
+    # the sink names the copy and the change log as ports; the root hands them in
+    ("cdc_apply.sink", (COPY, *CHANGELOG, ROOT, *RUNNERS)),
+    ("cdc_apply.snapshot", ("cdc_apply.changelog_apply", ROOT, *RUNNERS)),
+    ("cdc_apply.changelog", (COPY, "cdc_apply.changelog_apply", ROOT, *RUNNERS)),
+    ("cdc_apply.changelog_apply", (COPY, ROOT, *RUNNERS)),
+    ("cdc_apply.parts", tuple(RUNNERS)),
 ])
 def test_forbidden_imports(source: str, targets: tuple[str, ...]) -> None:
     assert _violations(source, targets) == []
+
+
+def _constructions(name: str, keyword: str | None = None) -> set[str]:
+    """The modules that call ``name(...)`` (with ``keyword=...`` when given)."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name and (
+                    keyword is None or any(k.arg == keyword for k in node.keywords)):
+                found.add(_module_name(path))
+    return found
+
+
+def test_one_composition_root() -> None:
+    """A run's sink, copier and source-backed applier are built in cdc_apply/parts.py only. Elsewhere:
+    the default sink of a user's own foreach_batch query (cdc_apply.spark.foreach, below the root) and
+    the replay's (no source to copy from or to ask); a BatchApplier without the source's lookup (the
+    replay, the change log's) or in a new session of its own."""
+    assert _constructions("Snapshotter") == {ROOT}
+    assert _constructions("DeltaSink") == {ROOT, "cdc_apply.spark.foreach", "cdc_apply.replay"}
+    assert _constructions("BatchApplier", keyword="missing_value") == {ROOT, "cdc_apply.spark.foreach"}
 
 
 def test_no_import_cycle_among_cdc_apply_modules() -> None:

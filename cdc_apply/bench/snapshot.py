@@ -143,12 +143,10 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
     ``snapshot``: the config's ``snapshot`` section for cdc_apply's copy (default: the defaults).
     ``changelog``: also the tasks' copy with ``changelog.enabled``, whose log must hold every row.
     ``store``: also the copy into a warehouse on that object store (``--warehouse``)."""
-    from cdc_apply.apply.batch import BatchApplier
-    from cdc_apply.apply.options import apply_options
     from cdc_apply.changelog import ChangeLog
     from cdc_apply.config import parse_config
-    from cdc_apply.snapshot import Snapshotter, TableSnapshot
-    from cdc_apply.sources.catalog import SourceCatalog
+    from cdc_apply.parts import copier
+    from cdc_apply.sink import TableSnapshot
     from cdc_apply.sources.preflight import ensure_publication_and_slot
     from cdc_apply.spark.session import session_for
 
@@ -184,11 +182,10 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
                 # this process's resident set and be counted in the copy's peak (measured in round 1).
                 product: dict[str, tuple[int, float]] = {}
                 for variant, config in by_writer.items():
-                    applier = BatchApplier(spark, apply_options(config),
-                                           missing_value=SourceCatalog(server.dsn).missing_value)
+                    snapshotter = copier(config, spark)
 
                     def product_copy() -> int:
-                        copied = Snapshotter(config, applier).sync()  # noqa: B023 - called at once, in this round
+                        copied = snapshotter.sync()  # noqa: B023 - called at once, in this round
                         copies.extend(copied)
                         return sum(table.rows for table in copied)
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psycopg
 
+from cdc_apply.errors import CdcApplyError
 from cdc_apply.pgtypes import lookup
 from cdc_apply.pgtypes.user import UserType, facts_json
+
+if TYPE_CHECKING:
+    from cdc_apply.config import SourceConfig
 
 
 @dataclass(frozen=True)
@@ -25,16 +30,31 @@ class MissingValue:
 
 
 class SourceCatalog:
-    def __init__(self, conninfo: str) -> None:
+    def __init__(self, conninfo: str, describe: str = "the source", unreachable_hint: str = "") -> None:
+        """``describe``: the source as an error may name it (no secret); ``unreachable_hint``: what to
+        do when the source cannot be reached for a lookup."""
         self.conninfo = conninfo
+        self.describe = describe
+        self.unreachable_hint = unreachable_hint
+
+    @classmethod
+    def of(cls, source: SourceConfig, unreachable_hint: str = "") -> SourceCatalog:
+        return cls(source.conninfo(), source.describe(), unreachable_hint)
 
     def missing_value(self, relation_oid: int, column: str) -> MissingValue:
-        with psycopg.connect(self.conninfo, autocommit=True) as conn:
-            row = conn.execute(
-                "SELECT atthasmissing, (SELECT v FROM unnest(attmissingval::text::text[]) v), atthasdef, "
-                "attgenerated <> '' "
-                "FROM pg_attribute WHERE attrelid = %s AND attname = %s AND NOT attisdropped",
-                (relation_oid, column)).fetchone()
+        """The value of ``column`` in rows older than its ``ADD COLUMN ... DEFAULT`` (a
+        ``BatchApplier``'s ``missing_value`` lookup)."""
+        try:
+            with psycopg.connect(self.conninfo, autocommit=True) as conn:
+                row = conn.execute(
+                    "SELECT atthasmissing, (SELECT v FROM unnest(attmissingval::text::text[]) v), atthasdef, "
+                    "attgenerated <> '' "
+                    "FROM pg_attribute WHERE attrelid = %s AND attname = %s AND NOT attisdropped",
+                    (relation_oid, column)).fetchone()
+        except psycopg.OperationalError as exc:
+            hint = f"; {self.unreachable_hint}" if self.unreachable_hint else ""
+            raise CdcApplyError(f"the ADD COLUMN ... DEFAULT backfill of column {column!r} needs the source "
+                                f"({self.describe}): {' '.join(str(exc).split())}{hint}") from None
         if row is None:
             return MissingValue(False, None, False)
         return MissingValue(bool(row[0]), row[1], bool(row[2]), bool(row[3]))

@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cdc_apply.apply.batch import BatchApplier, MissingValue, MissingValueLookup
+from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
 from cdc_apply.assemble import Change, Transaction
 from cdc_apply.config import Config, load_config
@@ -47,6 +46,9 @@ log = logging.getLogger(__name__)
 
 APPLY_COLUMNS = ("commit_lsn", "end_lsn", "commit_ts", "xid", "origin", "seq", "op", "truncate_options",
                  "_cdc_relation", "_cdc_change")
+# Frames read from capture files have no source to ask (``foreach_batch(live_source=False)``).
+OFFLINE_HINT = ("for frames read from capture files use foreach_batch(config, live_source=False), which skips the "
+                "backfill as replay does")
 ROW_COLUMNS = ("relation_oid", "schema", "table", "key", "old", "new", "unchanged")  # the rows as parsed
 
 
@@ -59,7 +61,7 @@ def foreach_batch(config: Config | str | Path, *, live_source: bool = True,
     ``ADD COLUMN ... DEFAULT`` gave earlier rows, so that backfill is skipped, as ``replay`` does.
     ``metrics`` is told every micro-batch (``cdc-apply stream`` serves them). ``sink``: where the
     micro-batches go (``cdc-apply stream`` passes one that appends to the change log first,
-    ``changelog_apply.changelog_sink``); by default the targets only, through a ``BatchApplier`` made
+    ``parts.run_parts``); by default the targets only, through a ``BatchApplier`` made
     at the first micro-batch, in its session."""
     settings = config if isinstance(config, Config) else load_config(config)
     # One sink for the function's life: its applier keeps its table thread pool.
@@ -70,8 +72,8 @@ def foreach_batch(config: Config | str | Path, *, live_source: bool = True,
         spark = frame.sparkSession
         query_id = streaming_query_id(spark)
         if not sinks:
-            sinks.append(DeltaSink(BatchApplier(spark, apply_options(settings), missing_value=source_missing_value(
-                settings) if live_source else None), summary))
+            missing_value = SourceCatalog.of(settings.source, OFFLINE_HINT).missing_value if live_source else None
+            sinks.append(DeltaSink(BatchApplier(spark, apply_options(settings), missing_value=missing_value), summary))
         transactions, parsed = micro_batch_changes(frame.select(*APPLY_COLUMNS, *ROW_COLUMNS).toArrow())
         changes = sum(len(t.changes) for t in transactions)
         if metrics is not None:
@@ -87,23 +89,6 @@ def foreach_batch(config: Config | str | Path, *, live_source: bool = True,
 
     apply_micro_batch.summary = summary  # type: ignore[attr-defined]  # batches and commit->Delta lag
     return apply_micro_batch
-
-
-def source_missing_value(settings: Config) -> MissingValueLookup:
-    """The value ``ADD COLUMN ... DEFAULT`` gave earlier rows, asked of the source (a ``BatchApplier``'s
-    ``missing_value``)."""
-    catalog = SourceCatalog(settings.source.conninfo())
-
-    def lookup(relation_oid: int, column: str) -> MissingValue:
-        try:
-            return catalog.missing_value(relation_oid, column)
-        except psycopg.OperationalError as exc:
-            raise CdcApplyError(
-                f"the ADD COLUMN ... DEFAULT backfill of column {column!r} needs the source "
-                f"({settings.source.describe()}): {' '.join(str(exc).split())}; for frames read from capture files use "
-                "foreach_batch(config, live_source=False), which skips the backfill as replay does") from None
-
-    return lookup
 
 
 def streaming_query_id(spark: SparkSession) -> str:
