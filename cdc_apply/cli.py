@@ -120,7 +120,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_trim_changelog(args: argparse.Namespace) -> int:
-    from cdc_apply.changelog import ChangeLog
+    from cdc_apply.changelog.log import ChangeLog
     from cdc_apply.apply.options import apply_options
     from cdc_apply.lake.state import AppliedPosition
     from cdc_apply.config import load_config
@@ -200,7 +200,7 @@ def _cmd_stream(args: argparse.Namespace) -> int:
 
 
 def _cmd_follow_changelog(args: argparse.Namespace) -> int:
-    from cdc_apply.changelog_stream import start_changelog_stream
+    from cdc_apply.follow_changelog import start_changelog_stream
     from cdc_apply.config import load_config
     from cdc_apply.runtime import StopFlag
     from cdc_apply.stream_job import await_query

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
 from cdc_apply.assemble import Transaction
-from cdc_apply.changelog import enabled_changelog
-from cdc_apply.changelog_apply import (
+from cdc_apply.changelog.log import enabled_changelog
+from cdc_apply.changelog.applier import (
     ChangeLogApplier, TargetFollower, large_transactions_from_changelog, targets_follow_elsewhere,
     targets_from_changelog,
 )
 from cdc_apply.config import Config
 from cdc_apply.sink import DeltaSink, RunSummary
-from cdc_apply.snapshot import Snapshotter
+from cdc_apply.snapshot.copier import Snapshotter
 from cdc_apply.sources.catalog import SourceCatalog
 
 if TYPE_CHECKING:

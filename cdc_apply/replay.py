@@ -19,8 +19,8 @@ from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.apply.options import ApplyOptions
 from cdc_apply.apply.targets import target_at
 from cdc_apply.lake.state import TargetRegistry
-from cdc_apply.changelog import ChangeLog, ChangeLogError, RecordedCopy
-from cdc_apply.changelog_apply import ChangeLogApplier
+from cdc_apply.changelog.log import ChangeLog, ChangeLogError, RecordedCopy
+from cdc_apply.changelog.applier import ChangeLogApplier
 from cdc_apply.config import Config
 from cdc_apply.lsn import format_lsn
 from cdc_apply.progress import progress

@@ -5,7 +5,7 @@ only when every target's Delta commit of the batch is durable, and a batch writt
 skipped by the targets' exactly-once versions (docs/architecture.md, invariant 6). Before the
 batch, a table the pipeline has not copied yet (added to the publication later) gets its
 initial snapshot, and with ``changelog.enabled`` the batch's change rows are appended to the change
-log (``changelog.py``), exactly once, before any target commit.
+log (``changelog/log.py``), exactly once, before any target commit.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class DeltaSink:
         """``snapshotter=None``: no source to copy from (replay). ``changelog``: the change log the
         batches go to first (``changelog.enabled``). ``targets_from_changelog``: under
         ``confirm_after: changelog``, told the batch instead of applying it once the log holds it
-        (the targets follow from the log: ``changelog_apply.TargetFollower``)."""
+        (the targets follow from the log: ``changelog/applier.TargetFollower``)."""
         self.applier = applier
         self.summary = summary
         self.snapshotter = snapshotter

@@ -25,12 +25,12 @@ from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.changelog import ChangeLog, ChangeLogError
 from cdc_apply.assemble import Transaction
 from cdc_apply.lake.state import PipelineState
-from cdc_apply.changelog_apply import (
+from cdc_apply.changelog.applier import (
     BACKLOG_LAG_S, BACKLOG_QUIET_S, BACKLOG_YIELD_S, AppliedPosition, shows_a_backlog, still_yielding,
     transaction_windows,
 )
 from cdc_apply.cli import build_parser
-from cdc_apply.changelog_stream import start_changelog_stream
+from cdc_apply.follow_changelog import start_changelog_stream
 from cdc_apply.config import ConfigError, parse_config
 from cdc_apply.live import BackgroundReplicator
 from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn, parse_lsn
@@ -210,7 +210,7 @@ def test_copied_tables_rebuild_from_the_change_log(db18, spark, tmp_path, caplog
         small_windows = config.model_copy(update={"batching": config.batching.model_copy(
             update={"spill_bytes": first_copy - 1})})
         rebuilt = str(tmp_path / "rebuilt")
-        with caplog.at_level(logging.INFO, logger="cdc_apply.changelog_apply"):
+        with caplog.at_level(logging.INFO, logger="cdc_apply.changelog.applier"):
             replay_changelog(spark, small_windows, replace(apply_options(config), warehouse=rebuilt), max_changes=3000)
         # As few pieces as spill_bytes of messages and a window (3000 rows) allow, though the rows that
         # Spark's tasks copied have seqs with gaps (a page range's unused slots).
@@ -447,7 +447,7 @@ def test_a_spilled_transaction_goes_to_the_change_log_in_pieces(db18, spark, tmp
 
 def test_a_large_update_transaction_is_collapsed_by_spark_from_the_change_log(db18, spark, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     """Under ``confirm_after: changelog``, a transaction past ``spill_bytes`` that updates and deletes
-    rows of existing targets is collapsed per key by Spark's executors (``spark/log_collapse.py``),
+    rows of existing targets is collapsed per key by Spark's executors (``changelog/log_collapse.py``),
     TOAST carried forward and keys changed; one that moves a row with an unchanged TOAST value to
     another key is refused there and applied on the driver. Under ``confirm_after: targets`` the
     stream's spilled transaction is collapsed by Spark from the log too. Each ends equal to PostgreSQL."""

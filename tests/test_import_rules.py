@@ -11,11 +11,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "cdc_apply"
 RUNNERS = {"cdc_apply.pipeline", "cdc_apply.live", "cdc_apply.replay", "cdc_apply.cli", "cdc_apply.airflow",
            "cdc_apply.demo", "cdc_apply.stream_job", "cdc_apply.decode_cli", "cdc_apply.status", "cdc_apply.resync",
-           "cdc_apply.changelog_stream"}
+           "cdc_apply.follow_changelog"}
 # The composition root (cdc_apply/parts.py) and the parts it wires, which stand apart below it.
 ROOT = "cdc_apply.parts"
-COPY = "cdc_apply.snapshot"
-CHANGELOG = ("cdc_apply.changelog", "cdc_apply.changelog_apply")
+COPY = "cdc_apply.snapshot"  # the initial copy: snapshot/copier.py, snapshot/pgcopy.py
+CHANGELOG = "cdc_apply.changelog"  # the change log: log, its files, the applier from it, follow-changelog
+# The log itself, which the copy and the applier write and read through.
+THE_LOG = ("cdc_apply.changelog.log", "cdc_apply.changelog.log_files", "cdc_apply.changelog.log_collapse")
 
 
 def _module_name(path: Path) -> str:
@@ -64,10 +66,13 @@ def _violations(source_prefix: str, target_prefixes: tuple[str, ...] | set[str])
     # the lake (where files live, the pipeline's state) sits below apply, the copy, the change log and Spark
     ("cdc_apply.lake", ("cdc_apply.apply", "cdc_apply.spark", "cdc_apply.sources", "pyspark", "delta", *RUNNERS)),
     # the sink names the copy and the change log as ports; the root hands them in
-    ("cdc_apply.sink", (COPY, *CHANGELOG, ROOT, *RUNNERS)),
-    ("cdc_apply.snapshot", ("cdc_apply.changelog_apply", ROOT, *RUNNERS)),
-    ("cdc_apply.changelog", (COPY, "cdc_apply.changelog_apply", ROOT, *RUNNERS)),
-    ("cdc_apply.changelog_apply", (COPY, ROOT, *RUNNERS)),
+    ("cdc_apply.sink", (COPY, CHANGELOG, ROOT, *RUNNERS)),
+    # spark/ is the session, the jars and the pgoutput data source: it drives apply and the sink,
+    # and the copy and the change log stand on it
+    ("cdc_apply.spark", (COPY, CHANGELOG, ROOT, *RUNNERS)),
+    ("cdc_apply.snapshot", ("cdc_apply.changelog.applier", ROOT, *RUNNERS)),
+    *((log, (COPY, "cdc_apply.changelog.applier", ROOT, *RUNNERS)) for log in THE_LOG),
+    ("cdc_apply.changelog.applier", (COPY, ROOT, *RUNNERS)),
     ("cdc_apply.parts", tuple(RUNNERS)),
 ])
 def test_forbidden_imports(source: str, targets: tuple[str, ...]) -> None:
@@ -139,3 +144,17 @@ def test_one_replication_core() -> None:
     # The decode benchmark times the assembler alone, without a sink.
     assert _modules_using("Assembler") - {"cdc_apply.assemble"} <= {"cdc_apply.replication", "cdc_apply.bench.decode"}
     assert "cdc_apply.replication" in _modules_using("Assembler")
+
+
+# docs/architecture.md, "Folders": each imports only the folders before it here.
+FOLDER_ORDER = ("pgoutput", "pgtypes", "sources", "changerows", "lake", "apply", "spark", "changelog", "snapshot")
+
+
+def test_folders_import_only_the_folders_before_them() -> None:
+    def folder(module: str) -> str:
+        return module.split(".")[1] if module.count(".") >= 1 else module
+
+    backwards = sorted(f"{m} -> {i}" for m, imports in GRAPH.items() if folder(m) in FOLDER_ORDER
+                       for i in imports if i.startswith("cdc_apply.") and folder(i) in FOLDER_ORDER
+                       and FOLDER_ORDER.index(folder(i)) > FOLDER_ORDER.index(folder(m)))
+    assert backwards == []

@@ -1,4 +1,4 @@
-"""The initial copy run by Spark's tasks (``spark/pgcopy.py``), against PostgreSQL 15 and 18 under
+"""The initial copy run by Spark's tasks (``snapshot/pgcopy.py``), against PostgreSQL 15 and 18 under
 concurrent writes: a table with every type of the type matrix, a keyless table with identical rows,
 partitioned tables published through their root and through their leaves, a row-filtered and a
 column-listed table. Each copy is split into 2-page ranges over 3 tasks; after the copy, the slot's

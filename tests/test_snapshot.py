@@ -200,7 +200,7 @@ def test_a_lost_exported_snapshot_fails_the_copy_clearly_and_the_rerun_resumes(d
 
     import pytest
 
-    from cdc_apply.sources.snapshot import SnapshotLost
+    from cdc_apply.sources.exported_snapshot import SnapshotLost
 
     server, dbname = db18
     conninfo = server.conninfo(dbname)

@@ -125,7 +125,7 @@ def _capture(server, dbname):  # type: ignore[no-untyped-def]
             raws = captures[binary] = list(read_changes(conn, "types", PgOutputOptions(("pub",), binary=binary)))
             segments = change_rows(Assembler().transactions(raws))
             decoded[binary] = {r["new"]["id"]: r["new"] for seg in segments for r in seg.rows}
-        # The table as the snapshot copies it: COPY text, UTF-8 (sources/snapshot.py).
+        # The table as the snapshot copies it: COPY text, UTF-8 (sources/exported_snapshot.py).
         conn.execute("SET client_encoding TO 'UTF8'")
         with conn.cursor().copy(f"COPY (SELECT id, {', '.join(columns)} FROM typed ORDER BY id) TO STDOUT") as copy:
             copied = b"".join(bytes(data) for data in copy)

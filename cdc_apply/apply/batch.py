@@ -84,7 +84,7 @@ class BatchApplier:
         self.rows = ChangeRowBuilder(self.schema.types)  # the same type cache: Type messages register there
         self.writer = TableWriter(options, self.target_states)
         # A spilled transaction the pieces do not take is offered here before the driver collapses it
-        # whole: the change log's collapse by Spark (``changelog_apply.large_transactions_from_changelog``).
+        # whole: the change log's collapse by Spark (``changelog/applier.large_transactions_from_changelog``).
         self.large_transactions: Callable[[Transaction], BatchResult | None] | None = None
         self.pieces = PiecewiseAppender(lambda oid, relation, versioning: self._plan(oid, relation, versioning, False, None),
                                         self.rows, self.schema, self.writer, options.piece_bytes)
@@ -281,7 +281,7 @@ class BatchApplier:
     def apply_table_collapsed_by(self, relation: m.Relation, versioning: Versioning, collapse: ExternalCollapse,
                                  op_counts: Counter[str], first_lsn: int, last_lsn: int) -> TableResult | None:
         """One table's changes of a batch, of one Relation definition and no truncate, collapsed by
-        ``collapse`` (on Spark's executors: ``spark/log_collapse.py``) and written by the same writer in
+        ``collapse`` (on Spark's executors: ``changelog/log_collapse.py``) and written by the same writer in
         one commit with the same version, so the driver holds none of its rows. None when the driver's
         collapse must take the batch: a new target, a Relation that changes the target's schema or key,
         a table not applied one row per key (history, a whole-row key, no key). A table the config

@@ -1,7 +1,7 @@
 """Parquet files written outside Delta's writer, and the statistics Delta keeps of them.
 
-Two writers use it: the initial copy's Spark tasks (``spark/pgcopy.py``) and the change log's
-append on the driver (``changelog.py``). Both write with pyarrow into the table's directory and
+Two writers use it: the initial copy's Spark tasks (``snapshot/pgcopy.py``) and the change log's
+append on the driver (``changelog/log.py``). Both write with pyarrow into the table's directory and
 hand the files to a ``targets.FileAppend``, which makes them part of the table in one commit.
 Spark's Arrow hand-over and the JVM's Parquet writer cost about as much again as producing the
 rows (docs/live.md, "Who writes the files"; docs/changelog.md, "Who writes the files").

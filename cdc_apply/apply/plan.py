@@ -113,7 +113,7 @@ class CollapsedBatch:
 
 # Given the table's codec (to build in Spark's tasks), column map (source -> target), key, target
 # types and the LSN its target holds: the MERGE source as a Spark DataFrame collapsed off the driver
-# (``spark/log_collapse.py``).
+# (``changelog/log_collapse.py``).
 ExternalCollapse = Callable[[PortableCodec, dict[str, "str | None"], tuple[str, ...], dict[str, str], "int | None"],
                             "DataFrame"]
 

@@ -143,7 +143,7 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
     ``snapshot``: the config's ``snapshot`` section for cdc_apply's copy (default: the defaults).
     ``changelog``: also the tasks' copy with ``changelog.enabled``, whose log must hold every row.
     ``store``: also the copy into a warehouse on that object store (``--warehouse``)."""
-    from cdc_apply.changelog import ChangeLog
+    from cdc_apply.changelog.log import ChangeLog
     from cdc_apply.config import parse_config
     from cdc_apply.parts import copier
     from cdc_apply.sink import TableSnapshot

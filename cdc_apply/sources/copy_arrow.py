@@ -7,7 +7,7 @@ value holding a backslash is unescaped afterwards, by ``copy_text``'s own rule. 
 bytes in the connection's encoding (UTF-8), as ``copy_text`` gives them.
 
 ``copy_text`` gives spans over one buffer, which the change rows' machinery takes; this gives the
-columns whole, which the initial copy's tasks convert directly (``spark/pgcopy.py``): about four
+columns whole, which the initial copy's tasks convert directly (``snapshot/pgcopy.py``): about four
 times faster for the parse and the gather together (docs/live.md, "Initial copy on Spark's executors").
 """
 

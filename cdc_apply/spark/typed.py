@@ -33,7 +33,7 @@ from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgtypes import TypeCache, lookup
 from cdc_apply.sources.catalog import read_type_facts
-from cdc_apply.sources.snapshot import published_tables
+from cdc_apply.sources.exported_snapshot import published_tables
 
 IMAGES = ("key", "old", "new")
 

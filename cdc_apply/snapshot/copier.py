@@ -25,7 +25,7 @@ Invariants:
   cut short is finished by the next ``resync`` or run, which resumes it like any copy; the old
   version never vouches for a half-copied table.
 - With the change log on, a copy's rows go into it too, each wave's or chunk's commit of them
-  before the target's, after a Truncate row (``spark/log_files.py``); the log records whether it
+  before the target's, after a Truncate row (``changelog/log_files.py``); the log records whether it
   holds them all (``ChangeLog.record_copy``): not for a resumed copy, whose rows are merged.
 """
 
@@ -50,7 +50,7 @@ from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.delta_internal import FileAppend
 from cdc_apply.apply.targets import Target, quote
 from cdc_apply.assemble import Transaction
-from cdc_apply.changelog import enabled_changelog
+from cdc_apply.changelog.log import enabled_changelog
 from cdc_apply.changerows.columns import inserted_images
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
@@ -61,9 +61,9 @@ from cdc_apply.sink import TableSnapshot
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.sources.slot import confirmed_flush
 from cdc_apply.sources.copy_text import CopyRows
-from cdc_apply.sources.snapshot import CopyRange, ExportedSnapshot, PublishedTable, published_tables
-from cdc_apply.spark.log_files import MAX_SEQ, CopyLog
-from cdc_apply.spark.pgcopy import CopyNeedsDriver, TableCopy, copy_frame, task_errors
+from cdc_apply.sources.exported_snapshot import CopyRange, ExportedSnapshot, PublishedTable, published_tables
+from cdc_apply.changelog.log_files import MAX_SEQ, CopyLog
+from cdc_apply.snapshot.pgcopy import CopyNeedsDriver, TableCopy, copy_frame, task_errors
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -230,7 +230,7 @@ class Snapshotter:
         return rows
 
     def _logs(self, copy: _TableCopyRun) -> bool:
-        """With the change log on, the copy's rows go into it too (``spark/log_files.py``), unless the
+        """With the change log on, the copy's rows go into it too (``changelog/log_files.py``), unless the
         copy resumes one cut short (rows of two snapshots, merged: it stays out of the log)."""
         return self.changelog is not None and copy.resumed is None
 
@@ -256,7 +256,7 @@ class Snapshotter:
             self.changelog.commit_copy([written], copy.table.relation, copy.since - 1)
 
     def _copy_ranges(self, snapshot: ExportedSnapshot, copy: _TableCopyRun, estimate: int | None) -> int:
-        """Spark's tasks copy the table's page ranges (``spark/pgcopy.py``), ``ranges_per_commit`` per
+        """Spark's tasks copy the table's page ranges (``snapshot/pgcopy.py``), ``ranges_per_commit`` per
         Delta commit, in page order; each commit records the range it ended at. A resumed copy (a
         table with a unique key) reads the ranges left from a new snapshot and merges them by key: a
         row that moved pages between the two snapshots may be in the rows copied already."""

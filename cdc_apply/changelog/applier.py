@@ -37,13 +37,13 @@ from cdc_apply.apply.plan import Versioning
 from cdc_apply.apply.options import MAX_PIECE_BYTES
 from cdc_apply.lake.state import AppliedPosition
 from cdc_apply.assemble import DEFAULT_SPILL_BYTES, ChangeBuffer, SpilledChanges, Transaction
-from cdc_apply.changelog import ChangeLog
+from cdc_apply.changelog.log import ChangeLog
 from cdc_apply.config import BatchingConfig, Config
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn, pg_us_to_unix_us
 from cdc_apply.sink import RunSummary
 from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, micro_batch_changes, relation_of
-from cdc_apply.spark.log_collapse import REFUSED, collapse_on_executors, groups_for
+from cdc_apply.changelog.log_collapse import REFUSED, collapse_on_executors, groups_for
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, Row

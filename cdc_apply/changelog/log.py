@@ -16,7 +16,7 @@ Invariants:
   differently), so the log never holds a transaction twice.
 - The log is written before the targets (``sink.DeltaSink``): whatever a target holds, the log
   holds too. The slot is confirmed after both (``confirm_after: targets``), or after the log's
-  commit, the targets following from it (``confirm_after: changelog``, ``changelog_apply.py``).
+  commit, the targets following from it (``confirm_after: changelog``, ``changelog/applier.py``).
 - The table names the pipeline that writes it and its layout (``cdc_apply.changelog`` property);
   another pipeline's log, or another layout, is refused, never appended to.
 - An initial copy's rows are in the log too, written by the copy's writers (``CopyLog``,
@@ -48,7 +48,7 @@ from cdc_apply.lake.location import Location, Storage
 from cdc_apply.lake.state import STATE_DIRECTORY
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.pgoutput import messages as m
-from cdc_apply.spark.log_files import COPY_XID, MAX_SEQ, CopyLog, write_log_file
+from cdc_apply.changelog.log_files import COPY_XID, MAX_SEQ, CopyLog, write_log_file
 from cdc_apply.spark.rows import SOURCE_SCHEMA, SPARK_DDL, record_batches
 
 if TYPE_CHECKING:

@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING
 
 from cdc_apply.apply.session_kind import new_session
 from cdc_apply.apply.options import apply_options
-from cdc_apply.changelog import ChangeLog
-from cdc_apply.changelog_apply import ChangeLogApplier
+from cdc_apply.changelog.log import ChangeLog
+from cdc_apply.changelog.applier import ChangeLogApplier
 from cdc_apply.lake.state import AppliedPosition
 from cdc_apply.config import Config, ConfigError
 from cdc_apply.lake.location import path_component
 from cdc_apply.lsn import format_lsn
 from cdc_apply.parts import source_applier
 from cdc_apply.sink import RunSummary
-from cdc_apply.spark.log_files import COPY_XID
+from cdc_apply.changelog.log_files import COPY_XID
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

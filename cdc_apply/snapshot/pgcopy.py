@@ -13,7 +13,7 @@ directory itself (pyarrow, with the table's physical column names) and yields on
 path, size, rows and statistics: the driver commits them (``apply/targets.FileAppend``). Spark's Arrow
 hand-over and the JVM's Parquet writer were about half of a copy's time (docs/live.md, "Initial
 copy on Spark's executors"). With ``log`` set too (the change log is on), the task also writes the
-range's rows, from the same COPY text, into one file of the change log (``spark/log_files.CopyLog``),
+range's rows, from the same COPY text, into one file of the change log (``changelog/log_files.CopyLog``),
 which the driver commits before the target's.
 
 A chunk the columnar conversion does not take (a value its target column cannot hold, a value
@@ -44,8 +44,8 @@ from cdc_apply.lake.location import FileRoot
 from cdc_apply.pgtypes import TypeCache, portable_type_cache
 from cdc_apply.pgtypes.sparktypes import arrow_type
 from cdc_apply.sources.copy_arrow import copy_columns
-from cdc_apply.sources.snapshot import CopyData, CopyRange, PublishedTable, SnapshotLost, read_range
-from cdc_apply.spark.log_files import CopyLog
+from cdc_apply.sources.exported_snapshot import CopyData, CopyRange, PublishedTable, SnapshotLost, read_range
+from cdc_apply.changelog.log_files import CopyLog
 from cdc_apply.spark.typed import quoted, spark_arrow
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ _FILE_SCHEMA = pa.schema([("path", pa.string()), ("size", pa.int64()), ("rows", 
 def write_files(copy: TableCopy, pages: CopyRange, chunks: Iterable[CopyData], codec: RelationCodec,
                 task: int) -> Iterator[pa.RecordBatch]:
     """A range's chunks in one new Parquet file under ``copy.files_root`` (``apply/files.py``) and, with
-    ``copy.log``, their change log rows in one new file of the log (``spark/log_files.py``); a row
+    ``copy.log``, their change log rows in one new file of the log (``changelog/log_files.py``); a row
     (``FILE_COLUMNS``) for each file that holds rows."""
     assert copy.files_root is not None
     target = ParquetFile(copy.files_root, new_file_name(task), copy.physical_columns)
