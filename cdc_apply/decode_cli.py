@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import TextIO
 
-from cdc_apply.assemble import Transaction
+from cdc_apply.transactions import Transaction
 from cdc_apply.changerows.segments import ChangeRowBuilder
 from cdc_apply.errors import DecodeError
 from cdc_apply.lsn import format_lsn

@@ -14,7 +14,7 @@ What this driver adds:
 - A stream silent for ``STALL_INTERVALS`` status intervals counts as lost (``sources.walsender``), and
   reconnects go through ``source.dsn``'s host list with a backoff capped at ``BACKOFF_MAX_S``.
 - Under ``changelog.confirm_after: changelog`` the sink only appends to the change log, and a
-  ``changelog/applier.TargetFollower`` thread, started after the initial copy, brings the targets up
+  ``changelog/follower.TargetFollower`` thread, started after the initial copy, brings the targets up
   from it; its error stops the run.
 - Slot health (``sources.health``) is checked before each replication connection and every
   ``source.health_interval_seconds`` while it is open; an unusable slot stops the run, it is never

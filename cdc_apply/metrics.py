@@ -25,7 +25,7 @@ from cdc_apply.sources.health import SlotHealth
 
 if TYPE_CHECKING:
     from cdc_apply.apply.batch import BatchResult
-    from cdc_apply.assemble import Transaction
+    from cdc_apply.transactions import Transaction
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,10 @@ from typing import TYPE_CHECKING
 
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
-from cdc_apply.assemble import Transaction
+from cdc_apply.transactions import Transaction
 from cdc_apply.changelog.log import enabled_changelog
-from cdc_apply.changelog.applier import (
-    ChangeLogApplier, TargetFollower, large_transactions_from_changelog, targets_follow_elsewhere,
-    targets_from_changelog,
-)
+from cdc_apply.changelog.applier import ChangeLogApplier, large_transactions_from_changelog, targets_follow_elsewhere, targets_from_changelog
+from cdc_apply.changelog.follower import TargetFollower
 from cdc_apply.config import Config
 from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.snapshot.copier import Snapshotter

@@ -19,7 +19,7 @@ import psycopg
 from cdc_apply.apply.delta_log import writer_versions
 from cdc_apply.apply.options import apply_options
 from cdc_apply.lake.state import TargetRegistry
-from cdc_apply.assemble import Transaction
+from cdc_apply.transactions import Transaction
 from cdc_apply.config import Config
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn

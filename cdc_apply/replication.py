@@ -43,7 +43,8 @@ from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from typing import Protocol
 
-from cdc_apply.assemble import DEFAULT_SPILL_BYTES, Assembler, Transaction, TypeFactsLookup
+from cdc_apply.assemble import Assembler, TypeFactsLookup
+from cdc_apply.transactions import DEFAULT_SPILL_BYTES, Transaction
 from cdc_apply.failpoints import failpoint
 from cdc_apply.sources.raw import RawMessage
 

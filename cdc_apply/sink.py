@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
-from cdc_apply.assemble import Transaction
+from cdc_apply.transactions import Transaction
 from cdc_apply.changerows.columns import ParsedRows
 from cdc_apply.lsn import pg_us_to_unix_us
 from cdc_apply.metrics import PipelineMetrics
@@ -101,7 +101,7 @@ class DeltaSink:
         """``snapshotter=None``: no source to copy from (replay). ``changelog``: the change log the
         batches go to first (``changelog.enabled``). ``targets_from_changelog``: under
         ``confirm_after: changelog``, told the batch instead of applying it once the log holds it
-        (the targets follow from the log: ``changelog/applier.TargetFollower``)."""
+        (the targets follow from the log: ``changelog/follower.TargetFollower``)."""
         self.applier = applier
         self.summary = summary
         self.snapshotter = snapshotter

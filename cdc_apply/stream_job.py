@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import psycopg
 
 from cdc_apply.apply.session_kind import is_connect
-from cdc_apply.changelog.applier import TargetFollower
+from cdc_apply.changelog.follower import TargetFollower
 from cdc_apply.config import Config, ConfigError, SourceConfig
 from cdc_apply.lake.location import Location, path_component
 from cdc_apply.lake.state import STATE_DIRECTORY

@@ -23,12 +23,10 @@ from cdc_apply.apply.options import apply_options
 from cdc_apply.apply.targets import Target
 from cdc_apply.bench.load import TABLES, Load, create_schema
 from cdc_apply.changelog import ChangeLog, ChangeLogError
-from cdc_apply.assemble import Transaction
+from cdc_apply.transactions import Transaction
 from cdc_apply.lake.state import PipelineState
-from cdc_apply.changelog.applier import (
-    BACKLOG_LAG_S, BACKLOG_QUIET_S, BACKLOG_YIELD_S, AppliedPosition, shows_a_backlog, still_yielding,
-    transaction_windows,
-)
+from cdc_apply.changelog.applier import AppliedPosition, transaction_windows
+from cdc_apply.changelog.follower import BACKLOG_LAG_S, BACKLOG_QUIET_S, BACKLOG_YIELD_S, shows_a_backlog, still_yielding
 from cdc_apply.cli import build_parser
 from cdc_apply.follow_changelog import start_changelog_stream
 from cdc_apply.config import ConfigError, parse_config

@@ -72,7 +72,8 @@ def _violations(source_prefix: str, target_prefixes: tuple[str, ...] | set[str])
     ("cdc_apply.spark", (COPY, CHANGELOG, ROOT, *RUNNERS)),
     ("cdc_apply.snapshot", ("cdc_apply.changelog.applier", ROOT, *RUNNERS)),
     *((log, (COPY, "cdc_apply.changelog.applier", ROOT, *RUNNERS)) for log in THE_LOG),
-    ("cdc_apply.changelog.applier", (COPY, ROOT, *RUNNERS)),
+    ("cdc_apply.changelog.applier", (COPY, "cdc_apply.changelog.follower", ROOT, *RUNNERS)),
+    ("cdc_apply.changelog.follower", (COPY, ROOT, *RUNNERS)),
     ("cdc_apply.parts", tuple(RUNNERS)),
 ])
 def test_forbidden_imports(source: str, targets: tuple[str, ...]) -> None:

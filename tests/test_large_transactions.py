@@ -17,7 +17,8 @@ import pytest
 from deltalake import DeltaTable
 
 from cdc_apply.apply.options import ApplyOptions, apply_options
-from cdc_apply.assemble import Assembler, SpilledChanges
+from cdc_apply.assemble import Assembler
+from cdc_apply.transactions import SpilledChanges
 from cdc_apply.config import load_config
 from cdc_apply.lsn import parse_lsn
 from cdc_apply.replay import replay

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cdc_apply.assemble import Transaction
+from cdc_apply.transactions import Transaction
 from cdc_apply.replication import BatchCut, ReplicationCore
 from tests.test_type_roundtrip import captured  # noqa: F401 - the module-scoped capture fixture
 

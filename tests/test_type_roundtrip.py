@@ -13,7 +13,8 @@ from decimal import Decimal
 import psycopg
 import pytest
 
-from cdc_apply.assemble import Assembler, Change, Transaction
+from cdc_apply.assemble import Assembler
+from cdc_apply.transactions import Change, Transaction
 from cdc_apply.changerows.columns import InsertedRows, inserted_images
 from cdc_apply.changerows.segments import ChangeRowBuilder, change_rows
 from cdc_apply.pgtypes import UnrepresentableValueError, lookup

@@ -46,7 +46,7 @@ from cdc_apply.apply.target_state import TargetStates
 from cdc_apply.apply.targets import SourceState, Target, target_at
 from cdc_apply.lake.state import TargetRegistry
 from cdc_apply.apply.writer import TableWriter
-from cdc_apply.assemble import Change, SpilledChanges, Transaction
+from cdc_apply.transactions import Change, SpilledChanges, Transaction
 from cdc_apply.changerows.codec import PortableCodec, UnrepresentableColumnError
 from cdc_apply.changerows.columns import InsertedRows, ParsedImages, ParsedRows
 from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges

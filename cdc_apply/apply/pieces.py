@@ -23,7 +23,7 @@ from cdc_apply.apply.schema_applier import SchemaApplier
 from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.delta_internal import KnownVersionAppend
 from cdc_apply.apply.writer import TableWriter
-from cdc_apply.assemble import SpilledChanges, Transaction
+from cdc_apply.transactions import SpilledChanges, Transaction
 from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn

@@ -41,7 +41,7 @@ from cdc_apply.apply.sessionconf import delta_commit_conf
 from cdc_apply.apply.files import WrittenFile
 from cdc_apply.apply.delta_internal import FileAppend, KnownVersionAppend
 from cdc_apply.apply.targets import Target, sql_string
-from cdc_apply.assemble import SpilledChanges, Transaction
+from cdc_apply.transactions import SpilledChanges, Transaction
 from cdc_apply.config import Config
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lake.location import Location, Storage

@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from cdc_apply.assemble import Change, Transaction
+from cdc_apply.transactions import Change, Transaction
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn, pg_us_to_unix_us
 from cdc_apply.pgoutput import messages as m

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import pyarrow as pa
 
-from cdc_apply.assemble import Change, Transaction
+from cdc_apply.transactions import Change, Transaction
 from cdc_apply.changerows.codec import ColumnCodec, RelationCodec, Segment, change_row, where_change
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import pg_us_to_unix_us

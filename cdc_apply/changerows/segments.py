@@ -22,7 +22,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from cdc_apply.assemble import Transaction
+from cdc_apply.transactions import Transaction
 from cdc_apply.changerows.codec import (
     ColumnCodec, RelationCodec, Segment, change_row, change_row_schema, where_change,
 )

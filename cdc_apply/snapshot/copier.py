@@ -49,7 +49,7 @@ from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED
 from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.delta_internal import FileAppend
 from cdc_apply.apply.targets import Target, quote
-from cdc_apply.assemble import Transaction
+from cdc_apply.transactions import Transaction
 from cdc_apply.changelog.log import enabled_changelog
 from cdc_apply.changerows.columns import inserted_images
 from cdc_apply.config import Config

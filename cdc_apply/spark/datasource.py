@@ -31,7 +31,7 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
-from cdc_apply.assemble import Transaction
+from cdc_apply.transactions import Transaction
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.replication import IDLE_ADVANCE_WAL_SEGMENT, ReplicationCore

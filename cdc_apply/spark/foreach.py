@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
-from cdc_apply.assemble import Change, Transaction
+from cdc_apply.transactions import Change, Transaction
 from cdc_apply.config import Config, load_config
 from cdc_apply.errors import CdcApplyError, DecodeError
 from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cdc_apply.assemble import Transaction
+from cdc_apply.transactions import Transaction
 from cdc_apply.changerows.codec import ColumnCodec, Segment, where_change
 from cdc_apply.changerows.columns import ImageSpans, ParsedImages, ParsedSegment, change_table, parse_segment
 from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
