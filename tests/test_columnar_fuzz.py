@@ -116,7 +116,7 @@ def test_gathering_values_gives_every_value_whole(values, chunk_bytes, in_order)
     exactly as sent."""
     import numpy as np
 
-    from cdc_apply.pgoutput import columnar
+    from cdc_apply.pgoutput import tuple_columns
     from cdc_apply.pgoutput import messages as m
 
     buf = np.frombuffer(b"#" + b"".join(b"-" * gap + data for _, data, gap in values), np.uint8)
@@ -125,10 +125,10 @@ def test_gathering_values_gives_every_value_whole(values, chunk_bytes, in_order)
     values, starts = values[order], starts[order]
     kinds = np.array([ord(kind) for kind, _, _ in values], np.uint8)
     lengths = np.array([len(data) for _, data, _ in values], np.int64)
-    saved = columnar.GATHER_CHUNK_BYTES
-    columnar.GATHER_CHUNK_BYTES = chunk_bytes
+    saved = tuple_columns.GATHER_CHUNK_BYTES
+    tuple_columns.GATHER_CHUNK_BYTES = chunk_bytes
     try:
-        gathered = columnar.gather_values(buf, kinds, np.asarray(starts, np.int64), lengths).to_pylist()
+        gathered = tuple_columns.gather_values(buf, kinds, np.asarray(starts, np.int64), lengths).to_pylist()
     finally:
-        columnar.GATHER_CHUNK_BYTES = saved
+        tuple_columns.GATHER_CHUNK_BYTES = saved
     assert gathered == [data if kind in (chr(m.KIND_TEXT), chr(m.KIND_BINARY)) else None for kind, data, _ in values]

@@ -371,7 +371,7 @@ def test_foreach_batch_on_capture_rows_needs_no_server(any_db, spark, tmp_path) 
 
 
 def test_the_publication_option_names_one_or_several() -> None:
-    from cdc_apply.spark.options import reader_options
+    from cdc_apply.spark.reader_options import reader_options
 
     assert reader_options({"publication": "a,b"}).source.publications == ("a,b",)  # a name may hold a comma
     assert reader_options({"publication": '["orders pub", "audit"]'}).source.publications == ("orders pub", "audit")

@@ -3,7 +3,7 @@
 The contract is ``changerows.codec.change_row``'s (docs/architecture.md); this builder must give the
 same table (tests/test_golden_capture.py and tests/test_type_roundtrip.py compare them on real
 captures, tests/test_columnar_fuzz.py on mutated ones). The row images of every change are parsed
-together (``pgoutput/columnar.py``) and each image column is converted by the type's vector
+together (``pgoutput/tuple_columns.py``) and each image column is converted by the type's vector
 converter (``PgType.vector_text``/``vector_binary``, ``pgtypes/vectorized.py``), falling back to
 the type's scalar converter for a column the vector one declines.
 
@@ -27,7 +27,7 @@ from cdc_apply.changerows.codec import ColumnCodec, RelationCodec, Segment, chan
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import pg_us_to_unix_us
 from cdc_apply.pgoutput import messages as m
-from cdc_apply.pgoutput.columnar import TupleSpans, gather_values, parse_tuples
+from cdc_apply.pgoutput.tuple_columns import TupleSpans, gather_values, parse_tuples
 from cdc_apply.pgoutput.decoder import row_marker_offset
 from cdc_apply.pgtypes import ValueConversionError
 from cdc_apply.pgtypes.vectorized import FALLBACK_ERRORS, VectorFallback, convert_binary, convert_text

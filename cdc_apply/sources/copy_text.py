@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.pgoutput import messages as m
-from cdc_apply.pgoutput.columnar import gather_values
+from cdc_apply.pgoutput.tuple_columns import gather_values
 
 _TAB, _NEWLINE, _BACKSLASH, _N = 9, 10, 92, ord("N")
 _ESCAPE = re.compile(rb"\\(?:([0-7]{1,3})|x([0-9a-fA-F]{1,2})|(.))", re.DOTALL)

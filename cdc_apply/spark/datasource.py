@@ -43,7 +43,7 @@ from cdc_apply.sources.slot import (
     SLOT_GONE, PgOutputOptions, advance_slot, confirmed_flush, current_wal_lsn, read_changes, server_version_num,
     slot_exists,
 )
-from cdc_apply.spark.options import ReaderOptions, reader_options
+from cdc_apply.spark.reader_options import ReaderOptions, reader_options
 from cdc_apply.spark.rows import SPARK_DDL, record_batches, typed_schema
 from cdc_apply.spark.typed import TableImages, images_from_catalog, images_from_relations
 

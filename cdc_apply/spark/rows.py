@@ -25,7 +25,7 @@ from cdc_apply.changerows.columns import ImageSpans, ParsedImages, ParsedSegment
 from cdc_apply.changerows.segments import ChangeRowBuilder, TableChanges
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.pgoutput import messages as m
-from cdc_apply.pgoutput.columnar import gather_values
+from cdc_apply.pgoutput.tuple_columns import gather_values
 from cdc_apply.pgoutput.decoder import outside_stream_block
 from cdc_apply.pgoutput.encode import encode_relation
 from cdc_apply.pgtypes import ValueConversionError, exact_text_type
