@@ -43,3 +43,7 @@ class CaptureError(CdcApplyError):
 
 class AssemblyError(CdcApplyError):
     """A message stream that breaks the protocol's order (Commit without Begin, unknown stream xid...)."""
+
+
+class ConfigError(CdcApplyError):
+    """A config that cannot be used; the message names the file and the key path."""
