@@ -31,7 +31,8 @@ from tests.test_live import assert_delta_equals_postgres
 
 pytestmark = pytest.mark.spark
 
-TABLES = {"public.orders": ["id", "amount", "note", "n2"], "public.logbook": ["line"], "public.soft": ["id", "v"]}
+TABLES = {"public.orders": ["id", "amount", "note", "n2"], "public.logbook": ["line"], "public.scratch": ["line"],
+          "public.soft": ["id", "v"]}
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +63,12 @@ def _workload(conn: psycopg.Connection, step: int) -> None:
     if step == 0:
         conn.execute("CREATE TABLE orders (id int PRIMARY KEY, amount numeric(10,2))")
         conn.execute("CREATE TABLE logbook (line text)")  # no key: insert-only
+        conn.execute("CREATE TABLE scratch (line text)")  # no key, emptied by a truncate
         conn.execute("CREATE TABLE soft (id int PRIMARY KEY, v text)")
         conn.execute("CREATE TABLE hist (id int PRIMARY KEY, v text)")
         conn.execute("INSERT INTO orders SELECT g, g * 1.5 FROM generate_series(1, 2000) g")  # > 2 pages: Spark's tasks
         conn.execute("INSERT INTO logbook VALUES ('first'), ('first')")
+        conn.execute("INSERT INTO scratch VALUES ('gone'), ('gone')")
         conn.execute("INSERT INTO soft SELECT g, 'v' || g FROM generate_series(1, 20) g")
         conn.execute("INSERT INTO hist VALUES (1, 'a'), (2, 'b')")
         return
@@ -76,6 +79,7 @@ def _workload(conn: psycopg.Connection, step: int) -> None:
     conn.execute("INSERT INTO orders VALUES (100000, 1, 'with a note', 3)")
     conn.execute("TRUNCATE logbook")
     conn.execute("INSERT INTO logbook VALUES ('second')")
+    conn.execute("TRUNCATE scratch")  # nothing after it: the target is overwritten with no rows
     conn.execute("DELETE FROM soft WHERE id <= 5")
     conn.execute("UPDATE soft SET v = 'changed' WHERE id = 6")
     conn.execute("UPDATE hist SET v = 'a2' WHERE id = 1")

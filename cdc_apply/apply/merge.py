@@ -99,8 +99,13 @@ def source_frame(spark: SparkSession, collapsed: Collapsed, data_types: Mapping[
 def typed_frame(spark: SparkSession, arrays: Mapping[str, pa.Array], data_types: Mapping[str, str]) -> DataFrame:
     """A DataFrame of Arrow columns, the data columns cast to the target's types."""
     from pyspark.sql import functions as F
+    from pyspark.sql.pandas.types import from_arrow_schema
 
-    frame = spark.createDataFrame(pa.table(dict(arrays)))
+    table = pa.table(dict(arrays))
+    # A Spark Connect session infers no schema from a table of no rows (CANNOT_INFER_EMPTY_SCHEMA): a
+    # keyless target overwritten by a truncate with nothing after it. Arrow's schema, as Spark maps it.
+    schema = from_arrow_schema(table.schema) if table.num_rows == 0 else None
+    frame = spark.createDataFrame(table, schema=schema)
     # Arrow cannot say timestamp_ntz or every Spark type exactly: cast to the target's types.
     return frame.select([F.col(quote(n)).cast(data_types[n]).alias(n) if n in data_types else F.col(quote(n))
                          for n in frame.columns])
