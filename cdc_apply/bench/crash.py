@@ -313,7 +313,10 @@ class CrashDrill:
                 # at a time: the targets holding every committed transaction is the end to wait for.
                 self._wait_until_delta_holds_the_ledger(timeout=600)
             else:
-                wait_until_caught_up(self.conninfo, SLOT, timeout=600)
+                try:
+                    wait_until_caught_up(self.conninfo, SLOT, timeout=600, running=lambda: job.process.poll() is None)
+                except (RuntimeError, TimeoutError) as exc:
+                    raise DrillFailed(f"the last job: {exc}\n{job.tail()}") from None
             if self.mode == "changelog":
                 self._wait_until_the_targets_hold_the_log(timeout=600)
         finally:
