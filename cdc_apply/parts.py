@@ -17,14 +17,16 @@ from typing import TYPE_CHECKING
 
 from cdc_apply.apply.batch import BatchApplier
 from cdc_apply.apply.options import apply_options
-from cdc_apply.transactions import Transaction
-from cdc_apply.changelog.log import enabled_changelog
-from cdc_apply.changelog.applier import ChangeLogApplier, large_transactions_from_changelog, targets_follow_elsewhere, targets_from_changelog
+from cdc_apply.changelog.applier import (
+    ChangeLogApplier, large_transactions_from_changelog, targets_follow_elsewhere, targets_from_changelog,
+)
 from cdc_apply.changelog.follower import TargetFollower
+from cdc_apply.changelog.log import enabled_changelog
 from cdc_apply.config import Config
 from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.snapshot.copier import Snapshotter
 from cdc_apply.sources.catalog import SourceCatalog
+from cdc_apply.transactions import Transaction
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
 from typing import Protocol
 
 from cdc_apply.apply.batch import BatchApplier, BatchResult
