@@ -15,14 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cdc_apply.apply.batch import BatchApplier
+from cdc_apply.apply.batch import BatchApplier, BatchResult
 from cdc_apply.apply.options import apply_options
-from cdc_apply.changelog.applier import (
-    ChangeLogApplier, large_transactions_from_changelog, targets_follow_elsewhere, targets_from_changelog,
-)
+from cdc_apply.changelog.applier import ChangeLogApplier
 from cdc_apply.changelog.follower import TargetFollower
-from cdc_apply.changelog.log import enabled_changelog
-from cdc_apply.config import Config
+from cdc_apply.changelog.log import ChangeLog, enabled_changelog
+from cdc_apply.config import BatchingConfig, Config
+from cdc_apply.lake.state import AppliedPosition
 from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.snapshot.copier import Snapshotter
 from cdc_apply.sources.catalog import SourceCatalog
@@ -77,14 +76,40 @@ def run_parts(config: Config, spark: SparkSession, summary: RunSummary, *, sink_
         from_log = targets_from_changelog(changelog, applier, summary, config.batching)
     large_transactions_from_changelog(changelog, applier, config)
     thread = TargetFollower(from_log) if follower and from_log is not None else None
-    told: Callable[[list[Transaction]], None] | None = targets_follow_elsewhere(config)
+    told: Callable[[list[Transaction]], None] | None = None
     if thread is not None:
         told = thread.logged
-    elif from_log is not None:
-        told = _later  # the bounded run's catch-up at its end applies what the log holds
+    elif from_log is not None or config.changelog.follower == "separate":
+        # The batch is durable once the log holds it: a bounded run's catch-up at its end, or
+        # `cdc-apply follow-changelog` (``changelog.targets: separate``), applies it to the targets.
+        told = _targets_take_it_from_the_log
     sink = DeltaSink(applier, summary, snapshotter if sink_copies else None, changelog, told)
     return RunParts(applier, snapshotter, sink, summary, from_log, thread)
 
 
-def _later(batch: list[Transaction]) -> None:
+def _targets_take_it_from_the_log(batch: list[Transaction]) -> None:
     """The batch is in the change log; the targets take it from there later."""
+
+
+def large_transactions_from_changelog(changelog: ChangeLog | None, applier: BatchApplier, config: Config) -> None:
+    """With the log on and ``confirm_after: targets``, the stream's spilled transactions that update or
+    delete are collapsed by Spark from the log, which holds them before the targets are written
+    (``ChangeLogApplier.apply_on_executors``), instead of whole on the driver."""
+    if changelog is not None and config.changelog.follower is None:
+        applier.large_transactions = ChangeLogApplier(changelog, applier, max_changes=config.batching.max_changes,
+                                                      spill_bytes=config.batching.spill_bytes).apply_on_executors
+
+
+def targets_from_changelog(changelog: ChangeLog, stream_applier: BatchApplier, summary: RunSummary,
+                           batching: BatchingConfig) -> ChangeLogApplier:
+    """The applier that brings ``stream_applier``'s targets up to date from ``changelog`` under
+    ``confirm_after: changelog``, in a Spark session of its own; each window it applies is recorded
+    in ``summary`` (commit -> target lag) and its metrics."""
+    def applied(result: BatchResult, transactions: list[Transaction]) -> None:
+        summary.record(result, transactions)
+        if summary.metrics is not None and result.last_lsn is not None:
+            summary.metrics.targets_applied(result.last_lsn)
+
+    return ChangeLogApplier(changelog, stream_applier.in_new_session(), max_changes=batching.max_changes,
+                            position=AppliedPosition(stream_applier.options.state),
+                            applied=applied, spill_bytes=batching.spill_bytes)

@@ -84,7 +84,7 @@ class BatchApplier:
         self.rows = ChangeRowBuilder(self.schema.types)  # the same type cache: Type messages register there
         self.writer = TableWriter(options, self.target_states)
         # A spilled transaction the pieces do not take is offered here before the driver collapses it
-        # whole: the change log's collapse by Spark (``changelog/applier.large_transactions_from_changelog``).
+        # whole: the change log's collapse by Spark (``parts.large_transactions_from_changelog``).
         self.large_transactions: Callable[[Transaction], BatchResult | None] | None = None
         self.pieces = PiecewiseAppender(lambda oid, relation, versioning: self._plan(oid, relation, versioning, False, None),
                                         self.rows, self.schema, self.writer, options.piece_bytes)

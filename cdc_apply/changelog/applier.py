@@ -38,9 +38,7 @@ from cdc_apply.apply.options import MAX_PIECE_BYTES
 from cdc_apply.lake.state import AppliedPosition
 from cdc_apply.transactions import DEFAULT_SPILL_BYTES, ChangeBuffer, SpilledChanges, Transaction
 from cdc_apply.changelog.log import ChangeLog
-from cdc_apply.config import BatchingConfig, Config
 from cdc_apply.lsn import PG_EPOCH_OFFSET_US, format_lsn
-from cdc_apply.sink import RunSummary
 from cdc_apply.spark.foreach import APPLY_COLUMNS, ROW_COLUMNS, micro_batch_changes, relation_of
 from cdc_apply.changelog.log_collapse import REFUSED, collapse_on_executors, groups_for
 
@@ -297,33 +295,3 @@ class ChangeLogApplier:
         if stopping is None or not stopping.is_set():
             self.position.write(held)  # also past a tail of the log that held no rows of a published table
         return results
-
-
-def targets_follow_elsewhere(config: Config) -> Callable[[list[Transaction]], None] | None:
-    """For ``DeltaSink``: under ``changelog.targets: separate`` a batch is done once the log holds it
-    (``cdc-apply follow-changelog`` applies it to the targets); else None (the caller decides)."""
-    return (lambda batch: None) if config.changelog.follower == "separate" else None
-
-
-def large_transactions_from_changelog(changelog: ChangeLog | None, applier: BatchApplier, config: Config) -> None:
-    """With the log on and ``confirm_after: targets``, the stream's spilled transactions that update or
-    delete are collapsed by Spark from the log, which holds them before the targets are written
-    (``ChangeLogApplier.apply_on_executors``), instead of whole on the driver."""
-    if changelog is not None and config.changelog.follower is None:
-        applier.large_transactions = ChangeLogApplier(changelog, applier, max_changes=config.batching.max_changes,
-                                                      spill_bytes=config.batching.spill_bytes).apply_on_executors
-
-
-def targets_from_changelog(changelog: ChangeLog, stream_applier: BatchApplier, summary: RunSummary,
-                           batching: BatchingConfig) -> ChangeLogApplier:
-    """The applier that brings ``stream_applier``'s targets up to date from ``changelog`` under
-    ``confirm_after: changelog``, in a Spark session of its own; each window it applies is recorded
-    in ``summary`` (commit -> target lag) and its metrics."""
-    def applied(result: BatchResult, transactions: list[Transaction]) -> None:
-        summary.record(result, transactions)
-        if summary.metrics is not None and result.last_lsn is not None:
-            summary.metrics.targets_applied(result.last_lsn)
-
-    return ChangeLogApplier(changelog, stream_applier.in_new_session(), max_changes=batching.max_changes,
-                            position=AppliedPosition(stream_applier.options.state),
-                            applied=applied, spill_bytes=batching.spill_bytes)
