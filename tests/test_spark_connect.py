@@ -193,12 +193,8 @@ def test_kill_9_of_a_connect_client_under_load(db18, spark, connect, tmp_path) -
     outlives each client; after each kill nothing is lost, and at the end no row is applied twice."""
     server, dbname = db18
     conninfo = server.conninfo(dbname)
-    # A random kill may land mid-commit; the server finishes that commit seconds later, and a
-    # restart racing it can apply an append's rows twice (the known bug of docs/spark.md, "What
-    # differs on Connect", held in view by test_a_killed_clients_write_is_finished_by_the_server).
-    # The drill waits it out, as the docs tell an operator to.
     drill = CrashDrill("follow", conninfo, tmp_path, kills=CRASH_TEST_KILLS, seed=55,
-                       spark_conf={"spark.remote": connect.url}, settle_after_kill=30.0)
+                       spark_conf={"spark.remote": connect.url})
     drill.run()
     assert not drill.problems, drill.problems
     assert drill.failpoint_kills == 4 and drill.random_kills == CRASH_TEST_KILLS
@@ -212,32 +208,44 @@ ZOMBIE_CLIENT = """
 import sys
 from cdc_apply.spark.session import build_spark_session
 spark = build_spark_session({"spark.remote": sys.argv[1]}, register_pgoutput=False)
-slow = spark.range(4).selectExpr("id", "reflect('java.lang.Thread', 'sleep', CAST(4000 AS BIGINT)) AS slept")
+slow = spark.range(4).selectExpr("id", "CAST(reflect('java.lang.Thread', 'sleep', CAST(4000 AS BIGINT)) AS STRING) AS s")
 print("writing", flush=True)
-slow.write.format("delta").mode("append").option("txnAppId", "zombie/1").option("txnVersion", "7").save(sys.argv[2])
+slow.write.format("delta").mode("append").option("txnAppId", "p/1").option("txnVersion", "7").save(sys.argv[2])
+"""
+
+RESTARTED_CLIENT = """
+import sys
+from cdc_apply.apply.targets import Target
+from cdc_apply.spark.session import build_spark_session
+spark = build_spark_session({"spark.remote": sys.argv[1]}, register_pgoutput=False)
+Target(spark, sys.argv[2], False).fence("p/1")
+print(Target(spark, sys.argv[2], False).committed_version("p/1"), flush=True)
 """
 
 
-def test_a_killed_clients_write_is_finished_by_the_server(connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """What a Connect client's crash leaves behind (docs/spark.md, "Not yet: a killed client's
-    commit"): the server finishes a write whose client was killed -9 in the middle of it, seconds
-    later. A pipeline restarted in the meantime may have read its targets' versions before that
-    commit landed. Found by the Connect crash drill (a ledger table with rows applied twice, once
-    in 4 fresh-clone runs); asked of the session, executions that are not reattachable
-    (``disable_reattachable_execute``) went on all the same. This test holds the server's behaviour
-    in view until the fix (a fence commit per target at a Connect client's start) is built."""
+def test_a_killed_clients_commit_that_the_server_finishes_is_fenced_off(spark, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A Connect client killed -9 in the middle of a commit: the server goes on with that commit (for
+    a client that might reattach; executions that are not reattachable go on too). Without a fence,
+    it landed seconds later, after a restarted pipeline had read the targets' versions, and an
+    append's rows were applied twice (the Connect crash drill, once in four fresh-clone runs). The
+    restarted client's fence (``Target.fence``, at its first touch of each target) makes Delta fail
+    the late commit."""
     target = tmp_path / "t"
-    client = subprocess.Popen([sys.executable, "-c", ZOMBIE_CLIENT, connect.url, str(target)],
+    spark.sql(f"CREATE TABLE delta.`{target}` (id BIGINT, s STRING) USING delta")
+    zombie = subprocess.Popen([sys.executable, "-c", ZOMBIE_CLIENT, connect.url, str(target)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        assert client.stdout is not None and client.stdout.readline().strip() == "writing"
+        assert zombie.stdout is not None and zombie.stdout.readline().strip() == "writing"
         time.sleep(3)  # the write's tasks sleep 8 s on the server
     finally:
-        client.kill()
-        client.wait()
-    deadline = time.monotonic() + 60
-    while not list((target / "_delta_log").glob("*.json")) and time.monotonic() < deadline:
-        time.sleep(1)
-    commits = sorted((target / "_delta_log").glob("*.json"))
-    assert commits, "the server dropped the killed client's write"
-    assert '"appId":"zombie/1","version":7' in commits[-1].read_text()
+        zombie.kill()
+        zombie.wait()
+    restarted = subprocess.run([sys.executable, "-c", RESTARTED_CLIENT, connect.url, str(target)],
+                               capture_output=True, text=True, timeout=300)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert restarted.stdout.split() == ["1"]  # one past "none yet"
+    time.sleep(15)  # long past the end of the killed client's write, had it gone through
+    commits = [path.read_text() for path in sorted((target / "_delta_log").glob("*.json"))]
+    assert len(commits) == 2 and '"appId":"p/1","version":1' in commits[-1]
+    assert not any('"version":7' in commit for commit in commits)
+    assert spark.read.format("delta").load(str(target)).count() == 0

@@ -316,6 +316,7 @@ class BatchApplier:
             return None
         target, registered = self.target(relation, options, spark)
         app_id = self.app_id(oid)
+        target.fence(app_id)  # a Connect session's first touch: a killed client's commit cannot land later
         known = self.target_states.current(target)  # also when the registry was lost: the table holds its state
         writers = known.writers if not snapshot else {}
         done = writers.get(app_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from cdc_apply.apply.options import (
     COMMIT_LSN, COMMIT_TS, CURRENT, DELETED, METADATA_PREFIX, VALID_FROM, VALID_TO, ApplyOptions, TableOptions,
 )
 from cdc_apply.apply.schema import SourceColumn
+from cdc_apply.apply.session_kind import is_connect
 from cdc_apply.errors import CdcApplyError
 
 if TYPE_CHECKING:
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
 SOURCE_PROPERTY = "cdc_apply.source"
 BY_NAME_KEYS = "target.name_template, a table's name or changelog.name"
 _named_locations: dict[str, str] = {}  # a table by name -> its location, read once from the catalog
+_fenced: set[tuple[str, str]] = set()  # (location, app id) fenced by this process (``Target.fence``)
+_fence_lock = threading.Lock()
 _NEEDS_COLUMN_MAPPING = re.compile(r"[ ,;{}()\n\t=]")
 
 
@@ -224,6 +228,27 @@ class Target:
             return
         with delta_commit_conf(self.spark, app_id, version, user_metadata):  # Delta checks
             self.write(self.read().limit(0), "append")
+
+    def fence(self, app_id: str) -> None:
+        """Before this process first reads ``app_id``'s version here, on a Spark Connect session: an
+        empty commit that moves ``app_id`` one past the version it holds (docs/spark.md, "What differs
+        on Connect"). A Connect server finishes a killed client's commit on its own; that commit's
+        transaction read ``app_id`` when it began, so once this one lands Delta fails it as a
+        concurrent transaction, and one that landed before is seen by the read that follows. One past
+        a commit LSN is no transaction's commit LSN (a commit record is longer than a byte), so the
+        version skips nothing. Once per table and identity a process; nothing for a missing table,
+        or on a classic session, whose commits end with its process."""
+        key = (self.location, app_id)
+        with _fence_lock:
+            if key in _fenced or not is_connect(self.spark):
+                return
+            _fenced.add(key)
+        state = self.log()
+        if state.version < 0:
+            return
+        held = state.writers.get(app_id)
+        self.record_version(app_id, (held.version if held is not None else 0) + 1,
+                            json.dumps({"cdc_apply": "fence", "app_id": app_id}))
 
     def append_known_version(self, frame: DataFrame, app_id: str, txn_version: int, user_metadata: str,
                              read_at: int) -> bool:

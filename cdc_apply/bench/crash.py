@@ -220,10 +220,6 @@ class CrashDrill:
     warehouse_uri: str | None = None  # an object store's warehouse instead of directory/wh ...
     spark_conf: Mapping[str, str] = field(default_factory=dict)  # ... and how to reach it
     failpoints: tuple[str, ...] | None = None  # the failpoint kills; None: every one of the mode's
-    # Seconds to wait after a random kill before the check and the next job: a Spark Connect
-    # server finishes a killed client's commit in flight, which a restart must not race
-    # (docs/spark.md, "What differs on Connect": a known bug, this is its workaround).
-    settle_after_kill: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -303,7 +299,6 @@ class CrashDrill:
             if job.wait(timeout=60) != -signal.SIGKILL:
                 raise DrillFailed(f"kill {kill + 1}: the job had ended before it was killed\n{job.tail()}")
             self.random_kills += 1
-            time.sleep(self.settle_after_kill)
             self._check(conn, f"random kill {kill + 1}")
             self._tell(f"random kill {kill + 1}/{self.kills}: {delay:.1f} s after the job was ready; "
                        f"{len(self.problems)} problem(s) so far")

@@ -130,6 +130,7 @@ class ChangeLog:
                            f"{sql_string(self._identity())})")
             log.info("created the change log %s", self.target.location)
         self.check()
+        self.target.fence(self.app_id)  # on Connect: a killed client's append cannot land after this read
         self._version = self.target.committed_version(self.app_id)
         self._ready = True
 
