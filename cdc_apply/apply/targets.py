@@ -38,6 +38,7 @@ BY_NAME_KEYS = "target.name_template, a table's name or changelog.name"
 _named_locations: dict[str, str] = {}  # a table by name -> its location, read once from the catalog
 _fenced: set[tuple[str, str]] = set()  # (location, app id) fenced by this process (``Target.fence``)
 _fence_lock = threading.Lock()
+FENCE_ATTEMPTS = 5
 _NEEDS_COLUMN_MAPPING = re.compile(r"[ ,;{}()\n\t=]")
 
 
@@ -239,16 +240,25 @@ class Target:
         version skips nothing. Once per table and identity a process; nothing for a missing table,
         or on a classic session, whose commits end with its process."""
         key = (self.location, app_id)
-        with _fence_lock:
-            if key in _fenced or not is_connect(self.spark):
-                return
-            _fenced.add(key)
-        state = self.log()
-        if state.version < 0:
+        if not is_connect(self.spark):
             return
-        held = state.writers.get(app_id)
-        self.record_version(app_id, (held.version if held is not None else 0) + 1,
-                            json.dumps({"cdc_apply": "fence", "app_id": app_id}))
+        with _fence_lock:
+            if key in _fenced:
+                return
+        for attempt in range(FENCE_ATTEMPTS):
+            state = self.log()
+            if state.version < 0:
+                break
+            held = state.writers.get(app_id)
+            try:
+                self.record_version(app_id, (held.version if held is not None else 0) + 1,
+                                    json.dumps({"cdc_apply": "fence", "app_id": app_id}))
+                break
+            except Exception as exc:  # the late commit landed first: read the log again
+                if "DELTA_CONCURRENT_" not in str(exc) or attempt == FENCE_ATTEMPTS - 1:
+                    raise
+        with _fence_lock:
+            _fenced.add(key)
 
     def append_known_version(self, frame: DataFrame, app_id: str, txn_version: int, user_metadata: str,
                              read_at: int) -> bool:
