@@ -23,6 +23,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from cdc_apply.apply.targets import Target
 from cdc_apply.bench.crash import CrashDrill, load_table_differences
 from cdc_apply.spark.connect_server import ConnectServer
 from tests.delta_oracle import delta_rows, source_types
@@ -234,6 +235,7 @@ def test_a_killed_clients_commit_that_the_server_finishes_is_fenced_off(spark, c
     client reads it. Either way nothing lands after the fence."""
     target = tmp_path / "t"
     spark.sql(f"CREATE TABLE delta.`{target}` (id BIGINT, s STRING) USING delta")
+    Target(spark, str(target), False).record_version("p/1", 5, "{}")  # what the pipeline applied before
     zombie = subprocess.Popen([sys.executable, "-c", ZOMBIE_CLIENT, connect.url, str(target)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -249,10 +251,10 @@ def test_a_killed_clients_commit_that_the_server_finishes_is_fenced_off(spark, c
     read = restarted.stdout.split()  # the version the restarted client read, after its fence
     time.sleep(max(0.0, killed + 30 - time.monotonic()))  # past the end of the killed client's write
     commits = [path.read_text() for path in sorted((target / "_delta_log").glob("*.json"))]
-    # Nothing lands after the fence: the killed client's commit failed (the fence at one past
-    # "none yet"), or it had landed before the fence and the restarted client read it.
-    assert read in (["1"], ["8"]), read
+    # Nothing lands after the fence: the killed client's commit failed (the fence one past the 5
+    # applied before), or it had landed before the fence and the restarted client read it.
+    assert read in (["6"], ["8"]), read
     assert f'"appId":"p/1","version":{read[0]}' in commits[-1]
     landed = [i for i, commit in enumerate(commits) if '"appId":"p/1","version":7' in commit]
-    assert landed == ([] if read == ["1"] else [len(commits) - 2])
-    assert spark.read.format("delta").load(str(target)).count() == (0 if read == ["1"] else 4)
+    assert landed == ([] if read == ["6"] else [len(commits) - 2])
+    assert spark.read.format("delta").load(str(target)).count() == (0 if read == ["6"] else 4)

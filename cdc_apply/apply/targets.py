@@ -237,8 +237,9 @@ class Target:
         transaction read ``app_id`` when it began, so once this one lands Delta fails it as a
         concurrent transaction, and one that landed before is seen by the read that follows. One past
         a commit LSN is no transaction's commit LSN (a commit record is longer than a byte), so the
-        version skips nothing. Once per table and identity a process; nothing for a missing table,
-        or on a classic session, whose commits end with its process."""
+        version skips nothing. Once per table and identity a process; nothing on a classic session,
+        whose commits end with its process, or where ``app_id`` has committed nothing yet (a missing
+        table, a copy not yet finished, an adopted table; docs/spark.md says what that leaves open)."""
         key = (self.location, app_id)
         if not is_connect(self.spark):
             return
@@ -246,13 +247,13 @@ class Target:
             if key in _fenced:
                 return
         for attempt in range(FENCE_ATTEMPTS):
-            state = self.log()
-            if state.version < 0:
+            held = self.log().writers.get(app_id)
+            if held is None:
+                # No version to move past: a made-up one would tell the applier the table equals the
+                # source as of it (``BatchApplier._plan``'s ``appendable``), true of no adopted table.
                 break
-            held = state.writers.get(app_id)
             try:
-                self.record_version(app_id, (held.version if held is not None else 0) + 1,
-                                    json.dumps({"cdc_apply": "fence", "app_id": app_id}))
+                self.record_version(app_id, held.version + 1, json.dumps({"cdc_apply": "fence", "app_id": app_id}))
                 break
             except Exception as exc:  # the late commit landed first: read the log again
                 if "DELTA_CONCURRENT_" not in str(exc) or attempt == FENCE_ATTEMPTS - 1:
