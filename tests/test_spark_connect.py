@@ -8,6 +8,8 @@ Spark SQL, the DataFrame writer and the Delta log's files (docs/spark.md, "Spark
 - a streaming query of ``format("pgoutput")`` with ``foreach_batch`` run by the server's Python worker,
   and `cdc-apply stream` with its checkpoint.
 - kill -9 of a Connect client (`run --follow`) under load: 0 lost, 0 applied twice.
+- a client killed -9 mid-write, whose commit the server finishes: the restarted client's fence
+  (``Target.fence``) leaves nothing to land after it.
 - the classic session's public path (``target.delta_internals: false``) on the same workload.
 """
 
@@ -16,8 +18,8 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import psycopg

@@ -240,9 +240,9 @@ class Target:
         version skips nothing. Once per table and identity a process; nothing on a classic session,
         whose commits end with its process, or where ``app_id`` has committed nothing yet (a missing
         table, a copy not yet finished, an adopted table; docs/spark.md says what that leaves open)."""
-        key = (self.location, app_id)
         if not is_connect(self.spark):
             return
+        key = (self.location, app_id)
         with _fence_lock:
             if key in _fenced:
                 return
