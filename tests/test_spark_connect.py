@@ -8,8 +8,10 @@ Spark SQL, the DataFrame writer and the Delta log's files (docs/spark.md, "Spark
 - a streaming query of ``format("pgoutput")`` with ``foreach_batch`` run by the server's Python worker,
   and `cdc-apply stream` with its checkpoint.
 - kill -9 of a Connect client (`run --follow`) under load: 0 lost, 0 applied twice.
+- `capture`, `replay` (of a capture, and of a table from the change log into another warehouse), a batch
+  ``format("pgoutput")`` read, `status` and `resync`, each a Connect client.
 - a client killed -9 mid-write, whose commit the server finishes: the restarted client's fence
-  (``Target.fence``) leaves nothing to land after it.
+  (``apply/fence.py``) leaves nothing to land after it.
 - the classic session's public path (``target.delta_internals: false``) on the same workload.
 """
 
@@ -189,6 +191,77 @@ def test_foreach_batch_in_a_users_streaming_query_and_the_stream_verb(db18, spar
         _assert_equal(spark, conn, warehouse)
 
 
+# A batch read of a capture by a Connect session: the change rows of one table, as classic reads them.
+BATCH_READ = """
+import json, sys
+from cdc_apply.spark.session import build_spark_session
+spark = build_spark_session({"spark.remote": sys.argv[1]})
+rows = spark.read.format("pgoutput").option("table", "public.orders").load(sys.argv[2])
+print("ROWS " + json.dumps(sorted([r.op, r.commit_lsn] for r in rows.select("op", "commit_lsn").collect())))
+"""
+
+
+def test_capture_replay_the_change_log_status_and_resync_on_connect(db18, spark, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The other verbs as Connect clients: `capture`, then `replay` of it into the targets (and the
+    run after it, which reads the same changes from the slot, applies nothing twice), a batch ``format("pgoutput")`` read of the capture equal to
+    classic's, `status`, `replay --changelog` rebuilding a table elsewhere (and refusing, clearly, the
+    copied ones, whose copies the log lacks on Connect), and `resync`."""
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse, rebuilt, capture = tmp_path / "wh", tmp_path / "rebuilt", tmp_path / "step1.jsonl"
+    config = _write_config(tmp_path / "c.json", conninfo, warehouse, {"spark.remote": connect.url},
+                           changelog={"enabled": True})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        _workload(conn, 0)
+        conn.execute("CREATE TABLE fresh (id int PRIMARY KEY, v text)")  # empty at the copy: all in the log
+        _run(config)  # the copy, into the targets and the change log
+        _workload(conn, 1)
+        conn.execute("INSERT INTO fresh SELECT g, 'v' || g FROM generate_series(1, 40) g")
+        _run(config)
+        # Captured and replayed: no ADD COLUMN ... DEFAULT, whose backfill needs the live source.
+        conn.execute("UPDATE fresh SET v = 'changed' WHERE id % 4 = 0")
+        conn.execute("DELETE FROM fresh WHERE id > 35")
+        conn.execute("UPDATE orders SET amount = amount * 2 WHERE id < 50")
+        conn.execute("DELETE FROM orders WHERE id BETWEEN 50 AND 60")
+        conn.execute("INSERT INTO orders VALUES (100002, 5, 'captured', 1)")
+        conn.execute("INSERT INTO logbook VALUES ('captured')")
+        _run(config, "capture", "--out", str(capture))  # peeks: the slot keeps its position
+        _run(config, "replay", str(capture))
+        _assert_equal(spark, conn, warehouse)
+        logbook = spark.read.format("delta").load(str(warehouse / "public" / "logbook")).count()
+        _run(config)  # the same changes from the slot: into the change log, skipped by the targets
+        _assert_equal(spark, conn, warehouse)
+        assert spark.read.format("delta").load(str(warehouse / "public" / "logbook")).count() == logbook
+
+        read = subprocess.run([sys.executable, "-c", BATCH_READ, connect.url, str(capture)],
+                              capture_output=True, text=True, timeout=300)
+        assert read.returncode == 0, read.stderr[-3000:]
+        by_connect = json.loads(next(line for line in read.stdout.splitlines() if line.startswith("ROWS "))[5:])
+        classic = spark.read.format("pgoutput").option("table", "public.orders").load(str(capture))
+        assert by_connect == sorted([r.op, r.commit_lsn] for r in classic.select("op", "commit_lsn").collect())
+        assert {op for op, _ in by_connect} >= {"U", "D", "I"}
+
+        status = json.loads(_run(config, "status").stdout)
+        assert {row["table"] for row in status["tables"] if row["applied_lsn"] is not None} >= set(TABLES)
+
+        # On Connect the copies' rows are not in the change log (they go in as files committed by
+        # Delta's internal classes: docs/spark.md): a rebuild of a copied table is refused, clearly;
+        # a table whose rows all came through the stream is rebuilt.
+        refused = subprocess.run([sys.executable, "-m", "cdc_apply.cli", "replay", "--changelog", "--warehouse",
+                                  str(rebuilt), "--config", str(config)], capture_output=True, text=True, timeout=600)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert "a copy's rows are not in the change log" in refused.stderr and "cdc-apply resync" in refused.stderr
+        _run(config, "replay", "--changelog", "--table", "public.fresh", "--warehouse", str(rebuilt))
+        fresh = postgres_rows(conn, "public.fresh", ["id", "v"])
+        assert len(fresh) == 35 and delta_rows(spark, str(rebuilt / "public" / "fresh"), ["id", "v"],
+                                               source_types(conn, "public.fresh")) == fresh
+
+        conn.execute("UPDATE orders SET note = 'resynced' WHERE id < 5")
+        _run(config, "resync", "--table", "public.orders")
+        _run(config)
+        _assert_equal(spark, conn, warehouse)
+
+
 @pytest.mark.crash
 @pytest.mark.timeout(1200)
 def test_kill_9_of_a_connect_client_under_load(db18, spark, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -216,11 +289,15 @@ print("writing", flush=True)
 slow.write.format("delta").mode("append").option("txnAppId", "p/1").option("txnVersion", "7").save(sys.argv[2])
 """
 
+# The fence begun at the start (as the applier does for the targets it knows, on a thread and a
+# session of its own), then the first read, which waits for it.
 RESTARTED_CLIENT = """
 import sys
+from cdc_apply.apply.fence import start_fences
 from cdc_apply.apply.targets import Target
 from cdc_apply.spark.session import build_spark_session
 spark = build_spark_session({"spark.remote": sys.argv[1]}, register_pgoutput=False)
+start_fences(spark, [(lambda session: Target(session, sys.argv[2], False), "p/1")])
 Target(spark, sys.argv[2], False).fence("p/1")
 print(Target(spark, sys.argv[2], False).committed_version("p/1"), flush=True)
 """
@@ -231,7 +308,7 @@ def test_a_killed_clients_commit_that_the_server_finishes_is_fenced_off(spark, c
     a client that might reattach; executions that are not reattachable go on too). Without a fence,
     it landed seconds later, after a restarted pipeline had read the targets' versions, and an
     append's rows were applied twice (the Connect crash drill, once in four fresh-clone runs). The
-    restarted client's fence (``Target.fence``, at its first touch of each target) makes Delta fail
+    restarted client's fence (``Target.fence``, before its first read of each target) makes Delta fail
     the late commit; or, when the killed client's tasks hold the server's task slots until it
     commits (seen after the module's other tests), the fence follows that commit and the restarted
     client reads it. Either way nothing lands after the fence."""

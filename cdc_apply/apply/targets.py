@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cdc_apply.apply import delta_internal
+from cdc_apply.apply import delta_internal, fence
 from cdc_apply.apply.delta_log import LogState, commit_actions, log_state
 from cdc_apply.lake.location import FileRoot, Location, Storage
 from cdc_apply.lake.state import TargetRegistry  # noqa: F401 - its home before cdc_apply.lake
@@ -27,7 +26,6 @@ from cdc_apply.apply.options import (
     COMMIT_LSN, COMMIT_TS, CURRENT, DELETED, METADATA_PREFIX, VALID_FROM, VALID_TO, ApplyOptions, TableOptions,
 )
 from cdc_apply.apply.schema import SourceColumn
-from cdc_apply.apply.session_kind import is_connect
 from cdc_apply.errors import CdcApplyError
 
 if TYPE_CHECKING:
@@ -36,9 +34,6 @@ if TYPE_CHECKING:
 SOURCE_PROPERTY = "cdc_apply.source"
 BY_NAME_KEYS = "target.name_template, a table's name or changelog.name"
 _named_locations: dict[str, str] = {}  # a table by name -> its location, read once from the catalog
-_fenced: set[tuple[str, str]] = set()  # (location, app id) fenced by this process (``Target.fence``)
-_fence_lock = threading.Lock()
-FENCE_ATTEMPTS = 5
 _NEEDS_COLUMN_MAPPING = re.compile(r"[ ,;{}()\n\t=]")
 
 
@@ -231,35 +226,10 @@ class Target:
             self.write(self.read().limit(0), "append")
 
     def fence(self, app_id: str) -> None:
-        """Before this process first reads ``app_id``'s version here, on a Spark Connect session: an
-        empty commit that moves ``app_id`` one past the version it holds (docs/spark.md, "What differs
-        on Connect"). A Connect server finishes a killed client's commit on its own; that commit's
-        transaction read ``app_id`` when it began, so once this one lands Delta fails it as a
-        concurrent transaction, and one that landed before is seen by the read that follows. One past
-        a commit LSN is no transaction's commit LSN (a commit record is longer than a byte), so the
-        version skips nothing. Once per table and identity a process; nothing on a classic session,
-        whose commits end with its process, or where ``app_id`` has committed nothing yet (a missing
-        table, a copy not yet finished, an adopted table; docs/spark.md says what that leaves open)."""
-        if not is_connect(self.spark):
-            return
-        key = (self.location, app_id)
-        with _fence_lock:
-            if key in _fenced:
-                return
-        for attempt in range(FENCE_ATTEMPTS):
-            held = self.log().writers.get(app_id)
-            if held is None:
-                # No version to move past: a made-up one would tell the applier the table equals the
-                # source as of it (``BatchApplier._plan``'s ``appendable``), true of no adopted table.
-                break
-            try:
-                self.record_version(app_id, held.version + 1, json.dumps({"cdc_apply": "fence", "app_id": app_id}))
-                break
-            except Exception as exc:  # the late commit landed first: read the log again
-                if "DELTA_CONCURRENT_" not in str(exc) or attempt == FENCE_ATTEMPTS - 1:
-                    raise
-        with _fence_lock:
-            _fenced.add(key)
+        """On a Spark Connect session, before this process first reads ``app_id``'s version here: an
+        empty commit one past it, so that a killed client's commit the server finishes cannot land
+        after the read (``apply/fence.py``)."""
+        fence.fence(self, app_id)
 
     def append_known_version(self, frame: DataFrame, app_id: str, txn_version: int, user_metadata: str,
                              read_at: int) -> bool:
