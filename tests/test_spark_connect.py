@@ -289,15 +289,11 @@ print("writing", flush=True)
 slow.write.format("delta").mode("append").option("txnAppId", "p/1").option("txnVersion", "7").save(sys.argv[2])
 """
 
-# The fence begun at the start (as the applier does for the targets it knows, on a thread and a
-# session of its own), then the first read, which waits for it.
 RESTARTED_CLIENT = """
 import sys
-from cdc_apply.apply.fence import start_fences
 from cdc_apply.apply.targets import Target
 from cdc_apply.spark.session import build_spark_session
 spark = build_spark_session({"spark.remote": sys.argv[1]}, register_pgoutput=False)
-start_fences(spark, [(lambda session: Target(session, sys.argv[2], False), "p/1")])
 Target(spark, sys.argv[2], False).fence("p/1")
 print(Target(spark, sys.argv[2], False).committed_version("p/1"), flush=True)
 """

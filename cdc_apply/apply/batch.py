@@ -27,11 +27,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cdc_apply.apply.collapse import Collapsed, Collapser, MultisetCollapser
 from cdc_apply.apply.columnar import CollapsedColumns, collapsed_columns, segment_rows
-from cdc_apply.apply.fence import start_fences
 from cdc_apply.apply.history import HistoryCollapser
 from cdc_apply.apply.merge import fetch_target_rows
 from cdc_apply.apply.options import ApplyOptions, TableOptions
@@ -89,11 +88,6 @@ class BatchApplier:
         self.large_transactions: Callable[[Transaction], BatchResult | None] | None = None
         self.pieces = PiecewiseAppender(lambda oid, relation, versioning: self._plan(oid, relation, versioning, False, None),
                                         self.rows, self.schema, self.writer, options.piece_bytes)
-        # On Spark Connect, the targets this pipeline knows are fenced while the run starts, not at
-        # their first batch (apply/fence.py).
-        start_fences(spark, [(self._target_builder(entry), self.app_id(oid))
-                             for oid, entry in self.registry.entries().items()
-                             if options.for_table(entry["schema"], entry["table"]).include])
 
     def apply(self, transactions: Iterable[Transaction], *, snapshot: bool = False,
               stream_batch: tuple[str, int] | None = None,
@@ -195,9 +189,6 @@ class BatchApplier:
         if session is None:
             session = self._thread_sessions.spark = new_session(self.spark)
         return self.apply_table(oid, segments, version, snapshot, session)
-
-    def _target_builder(self, entry: Mapping[str, Any]) -> Callable[[SparkSession], Target]:
-        return lambda spark: target_at(spark, self.options, entry["location"], entry["by_name"])
 
     def app_id(self, oid: int) -> str:
         return f"{self.options.pipeline}/{oid}"
