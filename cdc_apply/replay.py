@@ -27,6 +27,7 @@ from cdc_apply.progress import progress
 from cdc_apply.replication import BatchCut, ReplicationCore
 from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.sources.capture import read_captures
+from cdc_apply.sources.catalog import SourceCatalog
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -58,9 +59,11 @@ def replay_changelog(spark: SparkSession, config: Config, options: ApplyOptions,
     if changelog.trimmed_through is not None:
         _refuse_tables_trimmed_past(spark, options, changelog, frame)
     _refuse_tables_without_their_copy(spark, options, changelog, table, until_lsn, copies)
-    # No live source: the ADD COLUMN DEFAULT backfill is skipped.
-    applier = ChangeLogApplier(changelog, BatchApplier(spark, options), max_changes=max_changes,
-                               spill_bytes=config.batching.spill_bytes)
+    # An ADD COLUMN ... DEFAULT since a table's copy: the rows the copy logged are older than the
+    # column, so the value they have in PostgreSQL comes from the source's catalog, as in a live run
+    # (an unreachable source fails the rebuild, naming the column, rather than leave them NULL).
+    applier = ChangeLogApplier(changelog, BatchApplier(spark, options, SourceCatalog.of(config.source).missing_value),
+                               max_changes=max_changes, spill_bytes=config.batching.spill_bytes)
     windows = applier.windows(frame)
     with progress("replay of the change log", sum(w.rows for w in windows), unit="changes") as advance:
         return applier.apply(frame, advance, windows=windows)

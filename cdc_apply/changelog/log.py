@@ -288,12 +288,13 @@ class ChangeLog:
 
     def copy_log(self, relation: m.Relation, version: int, commit_ts: int, seqs: int) -> CopyLog | None:
         """Where an attempt at copying ``relation`` at ``version`` (commit time ``commit_ts``) puts its rows
-        in the log, needing ``seqs`` seqs; its Truncate row is committed first. None when the copy
-        cannot be logged: a log that takes only Delta's writer (by catalog name), or too many rows for
-        the int32 ``seq`` column."""
+        in the log, needing ``seqs`` seqs; its Truncate row is committed first. Files committed by Delta's
+        internal classes where the session has them, else rows for Delta's writer (``CopyLog.by_writer``:
+        Spark Connect, a log by catalog name). None when the copy cannot be logged: too many rows for the
+        int32 ``seq`` column, or a log whose columns are not this layout's."""
         self.ensure()
         files = self.target.open_file_append(("relation_oid",), storage=self.storage)
-        if files is None or not self._takes_layout(files.fields):
+        if files is not None and not self._takes_layout(files.fields):
             return None
         frame = self.target.read()
         held = frame.where((frame["relation_oid"] == relation.oid) & (frame["commit_lsn"] == version)) \
@@ -304,7 +305,10 @@ class ChangeLog:
                         "past the int32 column's %d (a rebuild of this table from the log is refused)",
                         relation.namespace, relation.name, first + seqs, MAX_SEQ)
             return None
-        copy = CopyLog(self.target.file_root(self.storage), relation, version, commit_ts, first)
+        copy = CopyLog(self.target.file_root(self.storage), relation, version, commit_ts, first, by_writer=files is None)
+        if copy.by_writer:
+            self.append_copy(copy, [copy.truncate()])
+            return copy
         truncate = copy.write([copy.truncate()])
         assert truncate is not None
         self.commit_copy([truncate], relation, version, files)
@@ -318,9 +322,21 @@ class ChangeLog:
         if files is None:
             raise ChangeLogError(f"{self.target.location}: the change log no longer takes files written outside "
                                  f"Delta's writer; the copy of {relation.namespace}.{relation.name} stops")
-        files.commit(written, json.dumps({"cdc_apply": "changelog copy", "pipeline": self.pipeline,
-                                          "relation_oid": relation.oid, "version": format_lsn(version),
-                                          "rows": sum(file.rows for file in written)}, sort_keys=True))
+        files.commit(written, self._copy_metadata(relation, version, sum(file.rows for file in written)))
+
+    def append_copy(self, copy: CopyLog, batches: Sequence[pa.RecordBatch]) -> None:
+        """A copy's rows (``CopyLog.by_writer``) appended by Delta's writer in one commit of the log."""
+        table = pa.Table.from_batches([copy.rows_for_writer(batch) for batch in batches], SOURCE_SCHEMA)
+        self.append_copy_frame(copy, self.spark.createDataFrame(table, SPARK_DDL), table.num_rows)
+
+    def append_copy_frame(self, copy: CopyLog, frame: DataFrame, rows: int | None = None) -> None:
+        """``frame`` (the layout's rows of a copy, ``CopyLog.rows_for_writer``) appended by Delta's writer
+        in one commit of the log, without the batches' version."""
+        self.target.write(frame, "append", userMetadata=self._copy_metadata(copy.relation, copy.version, rows))
+
+    def _copy_metadata(self, relation: m.Relation, version: int, rows: int | None) -> str:
+        return json.dumps({"cdc_apply": "changelog copy", "pipeline": self.pipeline, "relation_oid": relation.oid,
+                           "version": format_lsn(version), "rows": rows}, sort_keys=True)
 
     def copies(self) -> dict[int, RecordedCopy]:
         """The tables' last copies, by relation oid (``record_copy``)."""

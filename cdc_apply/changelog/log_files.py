@@ -69,9 +69,22 @@ class CopyLog:
     first_seq: int  # the attempt's Truncate row; its rows come after it
     range_seqs: Mapping[tuple[int, int], int] = field(default_factory=dict)  # (source, first page) -> first seq
     range_slots: int = 0  # seqs per page range
+    # The rows go in through Delta's writer (``rows_for_writer``), not as files: a session without
+    # Delta's internal classes (Spark Connect), or a log by catalog name.
+    by_writer: bool = False
 
-    def range_first_seq(self, source: int, first_page: int) -> int:
-        return self.range_seqs[(source, first_page)]
+    def range_inserts(self, source: int, first_page: int, values: Sequence[pa.Array], rows: int,
+                      first_row: int) -> pa.RecordBatch:
+        """``inserts`` of a page range's rows, ``first_row`` on, numbered within the range's own seqs."""
+        first_seq = self.range_seqs[(source, first_page)]
+        return self.inserts(values, rows, first_seq + first_row, first_seq + self.range_slots)
+
+    def rows_for_writer(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """``batch`` (the layout's columns but ``relation_oid``, the files' partition) with every column
+        of the layout, for Delta's writer."""
+        oid = pa.repeat(pa.scalar(self.relation.oid, SOURCE_SCHEMA.field("relation_oid").type), batch.num_rows)
+        columns = dict(zip(batch.schema.names, batch.columns)) | {"relation_oid": oid}
+        return pa.RecordBatch.from_arrays([columns[f.name] for f in SOURCE_SCHEMA], schema=SOURCE_SCHEMA)
 
     def truncate(self) -> pa.RecordBatch:
         """The attempt's first row: a Truncate of the table (no ``_cdc_change``, as the stream's)."""

@@ -251,8 +251,10 @@ class Snapshotter:
                         first_row + 1)
             copy.log = None
             return
-        written = copy.log.write([copy.log.inserts(chunk.columns(), count, first_seq)])
-        if written is not None:
+        rows = copy.log.inserts(chunk.columns(), count, first_seq)
+        if copy.log.by_writer:
+            self.changelog.append_copy(copy.log, [rows])
+        elif (written := copy.log.write([rows])) is not None:
             self.changelog.commit_copy([written], copy.table.relation, copy.since - 1)
 
     def _copy_ranges(self, snapshot: ExportedSnapshot, copy: _TableCopyRun, estimate: int | None) -> int:
@@ -275,7 +277,7 @@ class Snapshotter:
         job = TableCopy(self.config.source.conninfo(), snapshot.name, table, state.column_map(), target.data_types(),
                         schema.exact_text_columns(table.relation, state), dict(schema.types.named), settings.chunk_rows,
                         self._metadata_values(copy, table.relation))
-        if settings.file_writer == "tasks" and self._logs(copy):  # only tasks that write files write the log's
+        if self._logs(copy):
             # A range holds at most range_pages pages of the snapshot's rows (page_ranges): its seqs.
             slots = settings.range_pages * snapshot.tuples_per_page()
             self._start_log(copy, 1 + len(ranges) * slots)
@@ -293,18 +295,22 @@ class Snapshotter:
                 # A resumed copy merges by key; any other writes its files in the tasks where it can.
                 files = None if copy.resumed or settings.file_writer == "delta" else \
                     target.open_file_append(storage=self.applier.options.storage)
-                if files is None and copy.log is not None:
-                    log.warning("%s: the target takes only Delta's writer, so the copy's rows are not written to the "
-                                "change log (a rebuild of this table from the log is refused)", table.qualified_name)
-                    copy.log = None
+                # Where the target's or the log's rows go in through Delta's writer (Spark Connect, a
+                # target by name, `file_writer: delta`), the log's are a frame of their own: its
+                # tasks read the wave's ranges again, and it is committed first, as the files are.
+                log_by_frame = copy.log is not None and (files is None or copy.log.by_writer)
                 with task_errors(table.qualified_name):
+                    if log_by_frame:
+                        assert self.changelog is not None and copy.log is not None
+                        self.changelog.append_copy_frame(
+                            copy.log, copy_frame(spark, replace(job, log=copy.log, log_rows=True), wave, tasks))
                     if files is None:
                         written = self._write_copied(target, copy_frame(spark, job, wave, tasks), metadata,
                                                      state.keys if copy.resumed else ())
                     else:
                         written = self._commit_files(files, spark, replace(
                             job, files_root=target.file_root(self.applier.options.storage),
-                            physical_columns=files.physical_columns, log=copy.log),
+                            physical_columns=files.physical_columns, log=None if log_by_frame else copy.log),
                             wave, tasks, metadata)
                 rows += written
                 advance(written)

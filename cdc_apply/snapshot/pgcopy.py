@@ -46,6 +46,7 @@ from cdc_apply.pgtypes.sparktypes import arrow_type
 from cdc_apply.sources.copy_arrow import copy_columns
 from cdc_apply.sources.exported_snapshot import CopyData, CopyRange, PublishedTable, SnapshotLost, read_range
 from cdc_apply.changelog.log_files import CopyLog
+from cdc_apply.spark.rows import SPARK_DDL
 from cdc_apply.spark.typed import quoted, spark_arrow
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class TableCopy:
     files_root: FileRoot | None = None  # the tasks write Parquet files here themselves (see the module's text)
     physical_columns: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)  # FileAppend's
     log: CopyLog | None = None  # with files_root: the tasks also write the rows into the change log
+    log_rows: bool = False  # with log and no files_root: the tasks yield the change log's rows instead
 
     def columns(self) -> dict[str, str]:
         """Every column a chunk's batch holds, with its Spark type."""
@@ -130,14 +132,13 @@ def write_files(copy: TableCopy, pages: CopyRange, chunks: Iterable[CopyData], c
     target = ParquetFile(copy.files_root, new_file_name(task), copy.physical_columns)
     log = copy.log
     log_file = log.file(task) if log is not None else None
-    first_seq = log.range_first_seq(pages.source, pages.first_page) if log is not None else 0
     try:
         for chunk in chunks:
             raw = chunk_values(copy, chunk)
             target.write(chunk_batch(copy, raw, chunk, codec))
             if log_file is not None:
                 assert log is not None
-                log_file.write(log.inserts(raw, len(raw[0]), first_seq + chunk.first_row, first_seq + log.range_slots))
+                log_file.write(log.range_inserts(pages.source, pages.first_page, raw, len(raw[0]), chunk.first_row))
     finally:
         written = [(target.close(), False), (log_file.close() if log_file is not None else None, True)]
     for file, in_log in written:
@@ -163,6 +164,8 @@ class PgCopyDataSource(DataSource):
         copy = _unpickled(self.options["copy"])
         if copy.files_root is not None:
             return FILE_COLUMNS
+        if copy.log_rows:
+            return SPARK_DDL
         return ", ".join(f"{quoted(name)} {kind}" for name, kind in copy.columns().items())
 
     def reader(self, schema: object) -> DataSourceReader:
@@ -188,16 +191,28 @@ class PgCopyReader(DataSourceReader):
               f"pages {pages_read}", file=sys.stderr, flush=True)
         for pages in ranges:
             chunks = read_range(copy.conninfo, copy.snapshot, copy.table, pages, copy.chunk_rows)
-            if copy.files_root is None:
+            if copy.log_rows:
+                yield from _log_rows(copy, pages, chunks)
+            elif copy.files_root is None:
                 yield from (chunk_batch(copy, chunk_values(copy, chunk), chunk, codec) for chunk in chunks)
             else:
                 yield from write_files(copy, pages, chunks, codec, partition.value)  # type: ignore[attr-defined]
 
 
+def _log_rows(copy: TableCopy, pages: CopyRange, chunks: Iterable[CopyData]) -> Iterator[pa.RecordBatch]:
+    """A range's rows as the change log's, every column of its layout (for Delta's writer)."""
+    log = copy.log
+    assert log is not None
+    for chunk in chunks:
+        raw = chunk_values(copy, chunk)
+        yield log.rows_for_writer(log.range_inserts(pages.source, pages.first_page, raw, len(raw[0]), chunk.first_row))
+
+
 def copy_frame(spark: SparkSession, copy: TableCopy, ranges: Sequence[CopyRange], tasks: int) -> DataFrame:
     """The ranges' rows as a DataFrame of the target's columns, read by ``tasks`` Spark tasks (each
     range whole in one task, spread round robin so that neighbouring ranges run at once); with
-    ``copy.files_root``, the files the tasks wrote (``FILE_COLUMNS``)."""
+    ``copy.files_root``, the files the tasks wrote (``FILE_COLUMNS``); with ``copy.log_rows``, the
+    change log's rows of them (read from PostgreSQL again: Delta's writer takes one frame a table)."""
     tasks = max(1, min(tasks, len(ranges)))
     spread = [list(ranges[i::tasks]) for i in range(tasks)]
     spark.dataSource.register(PgCopyDataSource)  # format("pgcopy")
