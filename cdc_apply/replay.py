@@ -12,25 +12,29 @@ wrote them. Either way, replaying twice changes nothing (exactly-once versions).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from cdc_apply.apply.batch import BatchApplier, BatchResult
+from cdc_apply.apply.batch import BatchApplier, BatchResult, MissingValue, MissingValueLookup
 from cdc_apply.apply.options import ApplyOptions
 from cdc_apply.apply.targets import target_at
 from cdc_apply.lake.state import TargetRegistry
 from cdc_apply.changelog.log import ChangeLog, ChangeLogError, RecordedCopy
 from cdc_apply.changelog.applier import ChangeLogApplier
 from cdc_apply.config import Config
+from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn
 from cdc_apply.progress import progress
 from cdc_apply.replication import BatchCut, ReplicationCore
 from cdc_apply.sink import DeltaSink, RunSummary
 from cdc_apply.sources.capture import read_captures
-from cdc_apply.sources.catalog import SourceCatalog
+from cdc_apply.sources.catalog import MissingValue as SourceMissingValue, SourceCatalog
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
 
 
 def replay(spark: SparkSession, paths: Sequence[str], options: ApplyOptions, *, max_changes: int = 1_000_000,
@@ -59,14 +63,25 @@ def replay_changelog(spark: SparkSession, config: Config, options: ApplyOptions,
     if changelog.trimmed_through is not None:
         _refuse_tables_trimmed_past(spark, options, changelog, frame)
     _refuse_tables_without_their_copy(spark, options, changelog, table, until_lsn, copies)
-    # An ADD COLUMN ... DEFAULT since a table's copy: the rows the copy logged are older than the
-    # column, so the value they have in PostgreSQL comes from the source's catalog, as in a live run
-    # (an unreachable source fails the rebuild, naming the column, rather than leave them NULL).
-    applier = ChangeLogApplier(changelog, BatchApplier(spark, options, SourceCatalog.of(config.source).missing_value),
+    applier = ChangeLogApplier(changelog, BatchApplier(spark, options, _missing_value_if_reachable(config)),
                                max_changes=max_changes, spill_bytes=config.batching.spill_bytes)
     windows = applier.windows(frame)
     with progress("replay of the change log", sum(w.rows for w in windows), unit="changes") as advance:
         return applier.apply(frame, advance, windows=windows)
+
+
+def _missing_value_if_reachable(config: Config) -> MissingValueLookup:
+    """An ADD COLUMN ... DEFAULT since a table's copy: the rows the copy logged are older than the
+    column, and PostgreSQL gives them the default. The value comes from the source's catalog, as in a
+    live run. A rebuild may run when the source is gone: then a warning names the column, and those
+    rows keep NULL."""
+    def lookup(relation_oid: int, column: str) -> MissingValue:
+        try:
+            return SourceCatalog.of(config.source).missing_value(relation_oid, column)
+        except CdcApplyError as exc:
+            log.warning("%s; rows older than the column keep NULL in the rebuilt target", exc)
+            return SourceMissingValue(False, None, False)
+    return lookup
 
 
 def _refuse_tables_trimmed_past(spark: SparkSession, options: ApplyOptions, changelog: ChangeLog,
