@@ -326,7 +326,7 @@ class ChangeLog:
 
     def append_copy(self, copy: CopyLog, batches: Sequence[pa.RecordBatch]) -> None:
         """A copy's rows (``CopyLog.by_writer``) appended by Delta's writer in one commit of the log."""
-        table = pa.Table.from_batches([copy.rows_for_writer(batch) for batch in batches], SOURCE_SCHEMA)
+        table = self._table([copy.rows_for_writer(batch) for batch in batches])
         self.append_copy_frame(copy, self.spark.createDataFrame(table, SPARK_DDL), table.num_rows)
 
     def append_copy_frame(self, copy: CopyLog, frame: DataFrame, rows: int | None = None) -> None:
