@@ -189,6 +189,37 @@ def test_a_path_template_that_would_leave_an_s3_warehouse_is_refused(s3, tmp_pat
     assert not os.path.exists(tmp_path / "s3a:")
 
 
+def test_the_pipelines_own_reads_and_writes_ride_out_the_store_away_and_fail_at_once_on_a_refusal(s3) -> None:  # type: ignore[no-untyped-def]
+    """Python's requests (the state, the targets' logs) wait out an outage as S3A's do, on S3A's own
+    retry settings; a refused credential is not asked again."""
+    import threading
+
+    from cdc_apply.lake.location import Storage, StorageError
+
+    storage = Storage.from_spark_conf({**s3.spark_conf(), "spark.hadoop.fs.s3a.retry.interval": "200ms"})
+    assert storage.retry_delays() == [0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8]
+    document = Location.parse("s3a://lake/retries/state.json")
+    storage.write_text(document, "before")
+    s3.stop()
+    restart = threading.Timer(3, s3.start)
+    restart.start()
+    try:
+        started = time.monotonic()
+        storage.write_text(document, "during")  # asked until the store is back
+        assert time.monotonic() - started >= 2.5
+        assert storage.read_text(document) == "during"
+        assert list(storage.names(Location.parse("s3a://lake/retries"))) == ["state.json"]
+    finally:
+        restart.join()
+    refused = Storage.from_spark_conf({**s3.spark_conf(), "spark.hadoop.fs.s3a.secret.key": "wrong-secret-0123"})
+    started = time.monotonic()
+    with pytest.raises(StorageError, match="s3a://lake/retries/state.json: cannot read") as error:
+        refused.read_text(document)
+    assert time.monotonic() - started < 2 and "wrong-secret-0123" not in str(error.value)
+    with pytest.raises(StorageError, match="not a duration"):
+        Storage.from_spark_conf({"spark.hadoop.fs.s3a.retry.interval": "soon"}).retry_delays()
+
+
 # The failpoints at which a commit to the bucket has happened and the slot is not yet confirmed; the
 # other two (after_receive, after_decode: nothing written yet) are the local drill's. As many random
 # kills as the local drills in CI (docs/testing.md); `cdc-apply bench crash --warehouse local-s3

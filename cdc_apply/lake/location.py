@@ -10,14 +10,16 @@ Spark config gives Hadoop's S3A, or the AWS default chain; it never prints a sec
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import re
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from cdc_apply.errors import CdcApplyError
 
@@ -27,6 +29,14 @@ if TYPE_CHECKING:
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://([^/?#]*)([^?#]*)$")
 S3_SCHEMES = ("s3a", "s3", "s3n")
 S3A = "spark.hadoop.fs.s3a."
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# What an object store answers when it is away or busy, in pyarrow's words (the AWS SDK's error
+# names, or a 5xx status): worth asking again. A refused credential or a missing bucket is not.
+_TRANSIENT = re.compile(r"NETWORK_CONNECTION|SERVICE_UNAVAILABLE|SLOW_DOWN|THROTTLING|INTERNAL_FAILURE|"
+                        r"REQUEST_TIMEOUT|HTTP status 5\d\d|Connection refused|timed out", re.IGNORECASE)
+_DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|min)?\s*$")
 
 
 class StorageError(CdcApplyError):
@@ -142,6 +152,38 @@ class Storage:
     def __repr__(self) -> str:  # never the keys
         return f"Storage(s3a settings: {', '.join(sorted(k for k in self.s3a if 'key' not in k and 'token' not in k))})"
 
+    def retry_delays(self) -> list[float]:
+        """Seconds to wait before each new attempt of a request an object store failed transiently:
+        S3A's own policy, so that Python rides out what Spark's writes ride out. ``fs.s3a.retry.limit``
+        attempts more (7 by default), the first after ``fs.s3a.retry.interval`` (500ms), each wait
+        twice the last: 63.5 s in all by default."""
+        limit = int(self.s3a.get("retry.limit", "7"))
+        match = _DURATION.match(self.s3a.get("retry.interval", "500ms"))
+        if match is None:
+            raise StorageError(f"spark.hadoop.fs.s3a.retry.interval {self.s3a['retry.interval']!r}: "
+                               "not a duration (500ms, 2s, 1m)")
+        unit = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0}[match.group(2) or "ms"]
+        interval = int(match.group(1)) * unit
+        return [interval * 2 ** attempt for attempt in range(max(limit, 0))]
+
+    def _retrying(self, location: Location, doing: str, request: Callable[[], T]) -> T:
+        """``request()``, asked again after S3A's waits while the store answers as if away or busy;
+        then a StorageError naming the location and what was being done."""
+        delays = [] if location.local else self.retry_delays()
+        for attempt in range(len(delays) + 1):
+            try:
+                return request()
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                reason = self._scrubbed(_reason(exc))
+                if attempt == len(delays) or not _TRANSIENT.search(str(exc)):
+                    raise StorageError(f"{location}: cannot {doing}: {reason}") from None
+                log.warning("%s: cannot %s (%s); asking again in %.1f s (attempt %d of %d)", location, doing,
+                            reason, delays[attempt], attempt + 2, len(delays) + 1)
+                time.sleep(delays[attempt])
+        raise AssertionError("unreachable")
+
     def filesystem(self, location: Location) -> tuple[pafs.FileSystem, str]:
         """pyarrow's file system for ``location`` and the location's path in it."""
         import pyarrow.fs as pafs
@@ -230,16 +272,23 @@ class Storage:
 
     def read_text(self, location: Location) -> str | None:
         """The object's text, None when there is none."""
+        data = self.read_bytes(location)
+        return None if data is None else data.decode("utf-8")
+
+    def read_bytes(self, location: Location) -> bytes | None:
+        """The object's bytes, None when there is none."""
         filesystem, path = self.filesystem(location)
-        try:
+        if location.local and not Path(path).is_file():
+            return None
+
+        def read() -> bytes:
             with filesystem.open_input_stream(path) as stream:
-                return stream.read().decode("utf-8")
+                return stream.read()
+
+        try:
+            return self._retrying(location, "read", read)
         except FileNotFoundError:
             return None
-        except OSError as exc:
-            if location.local and not Path(path).exists():
-                return None
-            raise StorageError(f"{location}: cannot read: {_reason(exc)}") from None
 
     def write_text(self, location: Location, text: str) -> None:
         """``text`` at ``location``, found by a reader whole or as it was: an object store's PUT is
@@ -255,22 +304,21 @@ class Storage:
             os.replace(temporary, path)
             return
         filesystem, path = self.filesystem(location)
-        try:
+
+        def write() -> None:
             with filesystem.open_output_stream(path) as stream:
                 stream.write(text.encode("utf-8"))
-        except OSError as exc:
-            raise StorageError(f"{location}: cannot write: {_reason(exc)}") from None
+
+        self._retrying(location, "write", write)
 
     def delete(self, location: Location) -> None:
         filesystem, path = self.filesystem(location)
+        if location.local and not Path(path).exists():
+            return
         try:
-            filesystem.delete_file(path)
+            self._retrying(location, "delete", lambda: filesystem.delete_file(path))
         except FileNotFoundError:
             pass
-        except OSError as exc:
-            if location.local and not Path(path).exists():
-                return
-            raise StorageError(f"{location}: cannot delete: {_reason(exc)}") from None
 
     def names(self, location: Location) -> list[str]:
         """The names directly under ``location`` (none when it does not exist)."""
@@ -281,10 +329,8 @@ class Storage:
         import pyarrow.fs as pafs
 
         filesystem, path = self.filesystem(location)
-        try:
-            infos = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-        except OSError as exc:
-            raise StorageError(f"{location}: cannot list: {_reason(exc)}") from None
+        infos = self._retrying(location, "list", lambda: filesystem.get_file_info(
+            pafs.FileSelector(path, allow_not_found=True)))
         return {info.base_name: (info.size, info.mtime_ns) for info in infos}
 
 
