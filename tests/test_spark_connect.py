@@ -258,6 +258,43 @@ def test_capture_replay_the_change_log_status_and_resync_on_connect(db18, spark,
         _assert_equal(spark, conn, warehouse)
 
 
+def test_follow_changelog_and_trim_changelog_on_connect(db18, spark, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``changelog.targets: separate`` with Connect clients: `run --once` only appends to the log,
+    `follow-changelog --once` brings every target equal to PostgreSQL from it, and `trim-changelog`
+    removes the rows the targets hold (never past them) and records how far."""
+    from cdc_apply.lsn import format_lsn
+
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    warehouse = tmp_path / "wh"
+    config = _write_config(tmp_path / "c.json", conninfo, warehouse, {"spark.remote": connect.url},
+                           changelog={"enabled": True, "confirm_after": "changelog", "targets": "separate"})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        _workload(conn, 0)
+        _run(config)  # the copies: into the targets and the log
+        _workload(conn, 1)
+        _run(config)  # the changes: into the log only
+        assert delta_rows(spark, str(warehouse / "public" / "soft"), ["id", "v"], source_types(conn, "public.soft"),
+                          where="NOT _cdc_deleted") != postgres_rows(conn, "public.soft", ["id", "v"])
+        followed = _run(config, "follow-changelog", "--once")
+        assert re.search(r"follow-changelog: \d+ window\(s\), [1-9][\d,]* changes applied", followed.stdout), \
+            followed.stdout
+        _assert_equal(spark, conn, warehouse)
+
+        log = spark.read.format("delta").load(str(warehouse / "_cdc_apply" / "changelog"))
+        last = log.agg({"commit_lsn": "max"}).collect()[0][0]
+        conn.execute("INSERT INTO logbook VALUES ('after the follow')")
+        _run(config)  # in the log, not yet in the targets: the trim stops at what they hold
+        trimmed = _run(config, "trim-changelog", "--through-lsn", "FFFFFFFF/FFFFFFFF")
+        assert "trimming through that instead" in trimmed.stdout, trimmed.stdout
+        assert re.search(rf"trim-changelog: [1-9][\d,]* rows of transactions committed through {format_lsn(last)} "
+                         "removed", trimmed.stdout), trimmed.stdout
+        log = spark.read.format("delta").load(str(warehouse / "_cdc_apply" / "changelog"))
+        assert log.where(f"commit_lsn <= {last}").count() == 0 and log.where(f"commit_lsn > {last}").count() == 1
+        _run(config, "follow-changelog", "--once")  # what the log still holds
+        _assert_equal(spark, conn, warehouse)
+
+
 @pytest.mark.crash
 @pytest.mark.timeout(1200)
 def test_kill_9_of_a_connect_client_under_load(db18, spark, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -329,3 +366,4 @@ def test_a_killed_clients_commit_that_the_server_finishes_is_fenced_off(spark, c
     landed = [i for i, commit in enumerate(commits) if '"appId":"p/1","version":7' in commit]
     assert landed == ([] if read == ["6"] else [len(commits) - 2])
     assert spark.read.format("delta").load(str(target)).count() == (0 if read == ["6"] else 4)
+
