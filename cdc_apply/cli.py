@@ -200,21 +200,14 @@ def _cmd_stream(args: argparse.Namespace) -> int:
 
 
 def _cmd_follow_changelog(args: argparse.Namespace) -> int:
-    from cdc_apply.follow_changelog import start_changelog_stream
+    from cdc_apply.follow_changelog import follow_changelog
     from cdc_apply.config import load_config
     from cdc_apply.runtime import StopFlag
-    from cdc_apply.stream_job import await_query
 
     config = load_config(args.config)
     spark = _spark_session(config)
     with StopFlag().on_signals() as stop:
-        query = start_changelog_stream(config, spark, once=args.once)
-        try:
-            await_query(query, stop)
-        finally:
-            if query.isActive:
-                query.stop()
-    summary = query.summary  # type: ignore[attr-defined]
+        summary = follow_changelog(config, spark, stop, once=args.once)
     lasts = [result.last_lsn for result in summary.batches if result.last_lsn is not None]
     print(f"follow-changelog: {len(summary.batches)} window(s), {sum(r.changes for r in summary.batches):,} changes "
           f"applied{f', the last committed at {format_lsn(lasts[-1])}' if lasts else ''}; p99 commit -> target lag "
@@ -395,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="crash: run --follow, stream, or run --follow with changelog.confirm_after: changelog; "
                             "restart: follow or stream")
     bench.add_argument("--connect", action="store_true",
-                       help="restart: also as Spark Connect clients of a server started for the run, side by side")
+                       help="restart, apply, e2e: also as Spark Connect clients of a server started for the run, "
+                            "side by side")
     bench.add_argument("--kills", type=int, default=20, help="crash: random kill -9s, after the mode's failpoint kills")
     bench.add_argument("--seed", type=int, default=7, help="crash: the random kill points' seed")
     bench.add_argument("--warehouse", default=None,

@@ -17,7 +17,8 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     if name == "apply":
         from cdc_apply.bench.apply import bench_apply
 
-        bench_apply(rows=args.rows or 10_000_000, changes=args.changes, per_transaction_slice=args.per_transaction_slice)
+        bench_apply(rows=args.rows or 10_000_000, changes=args.changes, per_transaction_slice=args.per_transaction_slice,
+                    connect=args.connect)
         return 0
     if name == "e2e":
         from cdc_apply.bench.e2e import bench_e2e
@@ -25,7 +26,7 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
         with object_store(args.warehouse, args.config) as store:
             bench_e2e(seconds=args.seconds, rate=args.rate, sessions=args.sessions,
                       parallel_tables=args.parallel_tables, capacity_steps=args.capacity_steps,
-                      changelog=args.changelog, store=store)
+                      changelog=args.changelog, store=store, connect=args.connect)
         return 0
     if name == "memory":
         from cdc_apply.bench.memory import bench_memory

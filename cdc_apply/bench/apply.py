@@ -119,127 +119,170 @@ def _peak_jvm_heap_mb(spark: Any) -> float:
 
 
 def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batch: int = 5_000,
-                insert_rounds: int = 5, spark: SparkSession | None = None) -> None:
-    """``spark``: a session to run in (a test's), else a new one."""
+                insert_rounds: int = 5, spark: SparkSession | None = None, connect: bool = False) -> dict[str, float]:
+    """``spark``: a session to run in (a test's), else a new one. ``connect``: the same again on a
+    Spark Connect client of a local Connect server started here (the classic session's JVM idle
+    meanwhile), and the two side by side."""
+    sizes = (rows, changes, per_transaction_slice, insert_batch, insert_rounds)
     with session_for(spark) as spark:
-        folder = tempfile.mkdtemp(prefix="cdc_apply_bench_apply_")
-        options = TableOptions()
+        classic = _measure(spark, *sizes)
+    _print(classic, *sizes, "classic session")
+    if not connect:
+        return classic
+    from cdc_apply.spark.connect_server import ConnectServer
+    from cdc_apply.spark.session import build_spark_session
+
+    print("\nthe same on a Spark Connect session ...", flush=True)
+    with ConnectServer({"spark.master": "local[2]"}) as server:
+        client = build_spark_session({"spark.remote": server.url})
         try:
-            def fresh_target(name: str) -> Target:
-                target = Target(spark, f"{folder}/{name}", by_name=False)
-                columns = initial_columns(COLUMNS)
-                target.create(SourceState(1, "public", "bench", ("id",), columns, (0, 0)), dict(COLUMNS), options, {})
-                return target
-
-            def collapse(change_rows: list[dict[str, Any]]):  # type: ignore[no-untyped-def]
-                collapser = Collapser("public.bench", ("id",))
-                for row in change_rows:
-                    collapser.add(row)
-                return collapser.result
-
-            print(f"building a {rows:,}-row Delta table ...", flush=True)
-            target = fresh_target("target")
-            started = time.perf_counter()
-            (spark.range(1, rows + 1).selectExpr(
-                "id", "cast(id % 97 as int) AS account", "cast((id % 100000) / 100 as decimal(12,2)) AS amount",
-                "concat('note ', id) AS note", f"timestamp_micros({BASE_TS} + id) AS created", "id % 2 = 0 AS flag",
-                "cast(id / 7.0 AS double) AS score", "0L AS _cdc_commit_lsn", f"timestamp_micros({BASE_TS}) AS _cdc_commit_ts")
-             .write.format("delta").mode("append").save(target.location))
-            print(f"  built in {time.perf_counter() - started:.1f} s", flush=True)
-
-            def merge(target: Target, changes: pa.Table, app_id: str, version: int) -> None:
-                merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options,
-                                DataCommit(app_id, version, "{}"), columnar=_collapsed(changes))
-
-            warm = fresh_target("warmup")  # the first MERGE in a JVM pays a large warm-up: not timed
-            merge(warm, arrow_changes(generate_changes(1000, 300)), "bench/warmup", 1)
-
-            print(f"generating {changes:,} change rows ...", flush=True)
-            change_table = arrow_changes(generate_changes(rows, changes))
-            before_rss = _peak_rss_mb()
-            started = time.perf_counter()
-            collapsed = _collapsed(change_table)
-            collapse_s = time.perf_counter() - started
-            started = time.perf_counter()
-            merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options,
-                            DataCommit("bench/merge", 2, "{}"), columnar=collapsed)
-            merge_s = time.perf_counter() - started
-            merge_rss = _peak_rss_mb()
-
-            append_target = fresh_target("append")
-            source = typed_frame(spark, collapsed.columns, dict(COLUMNS)).drop(OP, KEEP)
-            started = time.perf_counter()
-            source.write.format("delta").mode("append").save(append_target.location)
-            append_s = time.perf_counter() - started
-
-            # The cost of the data alone: the same rows appended from a DataFrame Spark already holds.
-            cached = source.cache()
-            cached.count()
-            cached_target = fresh_target("cached_append")
-            started = time.perf_counter()
-            cached.write.format("delta").mode("append").save(cached_target.location)
-            cached_append_s = time.perf_counter() - started
-            cached.unpersist()
-
-            slice_rows = change_table.slice(0, per_transaction_slice)
-            started = time.perf_counter()
-            transactions = 0
-            for start in range(0, slice_rows.num_rows, 100):
-                transactions += 1
-                merge(target, slice_rows.slice(start, 100), "bench/per-transaction", 10 + transactions)
-            per_txn_s = time.perf_counter() - started
-
-            # The row-by-row collapse of the same changes, to its MERGE source (not merged again).
-            started = time.perf_counter()
-            row_by_row = collapse(python_rows(change_table))
-            source_frame(spark, row_by_row, dict(COLUMNS))
-            row_by_row_s = time.perf_counter() - started
-            assert len(row_by_row.states) == collapsed.keys_written
-
-            print(f"{insert_rounds} rounds of {insert_batch:,} new rows: MERGE, then append, into the same table ...",
-                  flush=True)
-            # Three ways, taking turns: MERGE; an append through Delta's internal classes
-            # (apply/delta_internal.py), unchecked; an append through the public writer options, checked.
-            ways = ("merge", "append", "append-public")
-            timings: dict[str, list[float]] = {way: [] for way in ways}
-            next_key = rows + changes + 1  # past every generated key
-            internals = target.internals
-            for version in range(insert_rounds * len(ways)):
-                way = ways[version % len(ways)]
-                batch = collapse(list(insert_changes(next_key, insert_batch, (1 << 40) + version)))
-                assert batch.new_rows_only
-                next_key += insert_batch
-                target.internals = internals and way != "append-public"
-                started = time.perf_counter()
-                # As the pipeline does: its own last commit is the log's newest, so an append need not be checked.
-                commit = DataCommit("bench/new-rows", 100 + version, "{}", unwritten_at=target.log_version())
-                merge_collapsed(target, batch, dict(COLUMNS), ("id",), options, commit, append=way != "merge")
-                timings[way].append(time.perf_counter() - started)
-            target.internals = internals
-            new_rows_merge, new_rows_append, new_rows_public = (statistics.median(timings[way]) for way in ways)
-
-            total = collapse_s + merge_s
-            per_change_batched = total / changes
-            per_change_txn = per_txn_s / slice_rows.num_rows
-            keys = collapsed.keys_written
-            print("\nresults (one run, same machine):")
-            print(f"  collapsed MERGE of {changes:,} changes into {rows:,} rows: {total:.1f} s "
-                  f"(collapse as columns {collapse_s:.1f} s, {keys:,} keys; MERGE {merge_s:.1f} s)")
-            print(f"  plain Delta append of the same {keys:,} rows:     {append_s:.1f} s")
-            print(f"  ratio MERGE apply / append:                 {total / append_s:.2f}x (goal <= 3x)")
-            print(f"  Spark append of the same rows from a cached DataFrame: {cached_append_s:.1f} s; "
-                  f"ratio MERGE apply / that: {total / cached_append_s:.2f}x (goal <= 6x)")
-            print(f"  the row-by-row collapse of the same changes to its MERGE source: {row_by_row_s:.1f} s "
-                  f"({row_by_row_s / collapse_s:.1f}x the columnar collapse)")
-            print(f"  one MERGE per 100-row transaction ({transactions} transactions, {slice_rows.num_rows:,} changes): "
-                  f"{per_txn_s:.1f} s = {per_change_txn * 1e3:.2f} ms/change, "
-                  f"{per_change_txn / per_change_batched:,.0f}x slower per change than batched")
-            print(f"  a batch of {insert_batch:,} new rows (median of {insert_rounds}): MERGE {new_rows_merge:.2f} s, "
-                  f"append {new_rows_append:.2f} s: the append is {new_rows_merge / new_rows_append:.1f}x faster; "
-                  f"the public path's checked append {new_rows_public:.2f} s "
-                  f"({new_rows_public / new_rows_append:.2f}x Delta's internal unchecked one)")
-            print(f"  peak memory: Python driver {before_rss:,.0f} MB holding the change rows, {merge_rss:,.0f} MB "
-                  f"after the columnar collapse and MERGE, {_peak_rss_mb():,.0f} MB after the row-by-row collapse; "
-                  f"JVM heap {_peak_jvm_heap_mb(spark):,.0f} MB")
+            on_connect = _measure(client, *sizes)
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            client.stop()
+    _print(on_connect, *sizes, "Spark Connect session")
+    print("\nSpark Connect ÷ classic, the same work in one run (goal <= 1.3x):")
+    for key, label in (("merge_apply_s", "collapsed MERGE"), ("append_s", "plain append"),
+                       ("per_txn_s", "one MERGE per transaction"), ("new_rows_merge_s", "new rows by MERGE"),
+                       ("new_rows_append_s", "new rows appended")):
+        print(f"  {label:<28} {on_connect[key]:7.2f} s ÷ {classic[key]:7.2f} s = {on_connect[key] / classic[key]:.2f}x")
+    print(f"  ratio MERGE apply / append: classic {classic['merge_apply_s'] / classic['append_s']:.2f}x, "
+          f"Connect {on_connect['merge_apply_s'] / on_connect['append_s']:.2f}x")
+    return {**classic, **{f"connect_{key}": value for key, value in on_connect.items()}}
+
+
+def _measure(spark: SparkSession, rows: int, changes: int, per_transaction_slice: int, insert_batch: int,
+             insert_rounds: int) -> dict[str, float]:
+    from cdc_apply.apply.session_kind import is_connect
+
+    connect = is_connect(spark)
+    folder = tempfile.mkdtemp(prefix="cdc_apply_bench_apply_")
+    options = TableOptions()
+    try:
+        def fresh_target(name: str) -> Target:
+            target = Target(spark, f"{folder}/{name}", by_name=False)
+            columns = initial_columns(COLUMNS)
+            target.create(SourceState(1, "public", "bench", ("id",), columns, (0, 0)), dict(COLUMNS), options, {})
+            return target
+
+        def collapse(change_rows: list[dict[str, Any]]):  # type: ignore[no-untyped-def]
+            collapser = Collapser("public.bench", ("id",))
+            for row in change_rows:
+                collapser.add(row)
+            return collapser.result
+
+        print(f"building a {rows:,}-row Delta table ...", flush=True)
+        target = fresh_target("target")
+        started = time.perf_counter()
+        (spark.range(1, rows + 1).selectExpr(
+            "id", "cast(id % 97 as int) AS account", "cast((id % 100000) / 100 as decimal(12,2)) AS amount",
+            "concat('note ', id) AS note", f"timestamp_micros({BASE_TS} + id) AS created", "id % 2 = 0 AS flag",
+            "cast(id / 7.0 AS double) AS score", "0L AS _cdc_commit_lsn", f"timestamp_micros({BASE_TS}) AS _cdc_commit_ts")
+         .write.format("delta").mode("append").save(target.location))
+        print(f"  built in {time.perf_counter() - started:.1f} s", flush=True)
+
+        def merge(target: Target, changes: pa.Table, app_id: str, version: int) -> None:
+            merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options,
+                            DataCommit(app_id, version, "{}"), columnar=_collapsed(changes))
+
+        warm = fresh_target("warmup")  # the first MERGE in a JVM pays a large warm-up: not timed
+        merge(warm, arrow_changes(generate_changes(1000, 300)), "bench/warmup", 1)
+
+        print(f"generating {changes:,} change rows ...", flush=True)
+        change_table = arrow_changes(generate_changes(rows, changes))
+        before_rss = _peak_rss_mb()
+        started = time.perf_counter()
+        collapsed = _collapsed(change_table)
+        collapse_s = time.perf_counter() - started
+        started = time.perf_counter()
+        merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options,
+                        DataCommit("bench/merge", 2, "{}"), columnar=collapsed)
+        merge_s = time.perf_counter() - started
+        merge_rss = _peak_rss_mb()
+
+        append_target = fresh_target("append")
+        source = typed_frame(spark, collapsed.columns, dict(COLUMNS)).drop(OP, KEEP)
+        started = time.perf_counter()
+        source.write.format("delta").mode("append").save(append_target.location)
+        append_s = time.perf_counter() - started
+
+        # The cost of the data alone: the same rows appended from a DataFrame Spark already holds.
+        cached = source.cache()
+        cached.count()
+        cached_target = fresh_target("cached_append")
+        started = time.perf_counter()
+        cached.write.format("delta").mode("append").save(cached_target.location)
+        cached_append_s = time.perf_counter() - started
+        cached.unpersist()
+
+        slice_rows = change_table.slice(0, per_transaction_slice)
+        started = time.perf_counter()
+        transactions = 0
+        for start in range(0, slice_rows.num_rows, 100):
+            transactions += 1
+            merge(target, slice_rows.slice(start, 100), "bench/per-transaction", 10 + transactions)
+        per_txn_s = time.perf_counter() - started
+
+        # The row-by-row collapse of the same changes, to its MERGE source (not merged again).
+        started = time.perf_counter()
+        row_by_row = collapse(python_rows(change_table))
+        source_frame(spark, row_by_row, dict(COLUMNS))
+        row_by_row_s = time.perf_counter() - started
+        assert len(row_by_row.states) == collapsed.keys_written
+
+        print(f"{insert_rounds} rounds of {insert_batch:,} new rows: MERGE, then append, into the same table ...",
+              flush=True)
+        # Taking turns: MERGE; an append through Delta's internal classes (apply/delta_internal.py),
+        # unchecked, on a classic session only; an append through the public writer options, checked.
+        ways = ("merge", "append-public") if connect else ("merge", "append", "append-public")
+        timings: dict[str, list[float]] = {way: [] for way in ways}
+        next_key = rows + changes + 1  # past every generated key
+        internals = target.internals
+        for version in range(insert_rounds * len(ways)):
+            way = ways[version % len(ways)]
+            batch = collapse(list(insert_changes(next_key, insert_batch, (1 << 40) + version)))
+            assert batch.new_rows_only
+            next_key += insert_batch
+            target.internals = internals and way != "append-public"
+            started = time.perf_counter()
+            # As the pipeline does: its own last commit is the log's newest, so an append need not be checked.
+            commit = DataCommit("bench/new-rows", 100 + version, "{}", unwritten_at=target.log_version())
+            merge_collapsed(target, batch, dict(COLUMNS), ("id",), options, commit, append=way != "merge")
+            timings[way].append(time.perf_counter() - started)
+        target.internals = internals
+        medians = {way: statistics.median(values) for way, values in timings.items()}
+        return {"collapse_s": collapse_s, "merge_s": merge_s, "merge_apply_s": collapse_s + merge_s,
+                "keys": collapsed.keys_written, "append_s": append_s, "cached_append_s": cached_append_s,
+                "row_by_row_s": row_by_row_s, "per_txn_s": per_txn_s, "per_txn_changes": slice_rows.num_rows,
+                "transactions": transactions, "new_rows_merge_s": medians["merge"],
+                "new_rows_append_s": medians.get("append", medians["append-public"]),
+                "new_rows_public_s": medians["append-public"], "before_rss_mb": before_rss, "merge_rss_mb": merge_rss,
+                "row_by_row_rss_mb": _peak_rss_mb(),
+                "jvm_heap_mb": float("nan") if connect else _peak_jvm_heap_mb(spark)}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _print(r: dict[str, float], rows: int, changes: int, per_transaction_slice: int, insert_batch: int,
+           insert_rounds: int, session: str) -> None:
+    total = r["merge_apply_s"]
+    per_change_txn = r["per_txn_s"] / r["per_txn_changes"]
+    keys = int(r["keys"])
+    print(f"\nresults (one run, same machine), {session}:")
+    print(f"  collapsed MERGE of {changes:,} changes into {rows:,} rows: {total:.1f} s "
+          f"(collapse as columns {r['collapse_s']:.1f} s, {keys:,} keys; MERGE {r['merge_s']:.1f} s)")
+    print(f"  plain Delta append of the same {keys:,} rows:     {r['append_s']:.1f} s")
+    print(f"  ratio MERGE apply / append:                 {total / r['append_s']:.2f}x (goal <= 3x)")
+    print(f"  Spark append of the same rows from a cached DataFrame: {r['cached_append_s']:.1f} s; "
+          f"ratio MERGE apply / that: {total / r['cached_append_s']:.2f}x (goal <= 6x)")
+    print(f"  the row-by-row collapse of the same changes to its MERGE source: {r['row_by_row_s']:.1f} s "
+          f"({r['row_by_row_s'] / r['collapse_s']:.1f}x the columnar collapse)")
+    print(f"  one MERGE per 100-row transaction ({int(r['transactions'])} transactions, "
+          f"{int(r['per_txn_changes']):,} changes): {r['per_txn_s']:.1f} s = {per_change_txn * 1e3:.2f} ms/change, "
+          f"{per_change_txn / (total / changes):,.0f}x slower per change than batched")
+    print(f"  a batch of {insert_batch:,} new rows (median of {insert_rounds}): MERGE {r['new_rows_merge_s']:.2f} s, "
+          f"append {r['new_rows_append_s']:.2f} s: the append is {r['new_rows_merge_s'] / r['new_rows_append_s']:.1f}x "
+          f"faster; the public path's checked append {r['new_rows_public_s']:.2f} s "
+          f"({r['new_rows_public_s'] / r['new_rows_append_s']:.2f}x the append above)")
+    heap = "" if r["jvm_heap_mb"] != r["jvm_heap_mb"] else f"; JVM heap {r['jvm_heap_mb']:,.0f} MB"
+    print(f"  peak memory: Python driver {r['before_rss_mb']:,.0f} MB holding the change rows, {r['merge_rss_mb']:,.0f} MB "
+          f"after the columnar collapse and MERGE, {r['row_by_row_rss_mb']:,.0f} MB after the row-by-row collapse{heap}")

@@ -140,6 +140,36 @@ def catchup_follow(server: PgServer, config: Config, spark: SparkSession, last_e
     return sum(b.changes for b in pipeline.replicator.summary.batches), confirmed, seconds
 
 
+def _on_connect(server: PgServer, config: Config, seconds: float, rate: float, sessions: int) -> dict[str, float]:
+    """The steady load (a warm-up run, then the measured one) and a backlog's catch-up, as on the
+    classic session, with ``run --follow`` a Connect client: new targets that take the changes from
+    now on (no copy), the same slot."""
+    from cdc_apply.spark.connect_server import ConnectServer
+    from cdc_apply.spark.session import build_spark_session
+
+    with ConnectServer({"spark.master": "local[2]"}) as connect_server:
+        remote = {"spark.remote": connect_server.url}
+        on_connect = config.model_copy(update={
+            "target": config.target.model_copy(update={"warehouse": tempfile.mkdtemp(prefix="cdc_apply_bench_cx_")}),
+            "snapshot": config.snapshot.model_copy(update={"enabled": False}), "spark": remote})
+        client = build_spark_session(remote)
+        try:
+            steady_follow(server, on_connect, client, seconds, rate, sessions, seed=20, first=False)  # the server warms up
+            _, steady = steady_follow(server, on_connect, client, seconds, rate, sessions, seed=21, first=False)
+            with psycopg.connect(server.dsn, autocommit=True) as conn:
+                create_slot(conn, "connect_delivery")
+            upto = backlog(server, seconds, sessions, seed=22)
+            delivered = _delivery(server, on_connect, "connect_delivery", upto)
+            changes, _, catchup_seconds = catchup_follow(server, on_connect, client, delivered.last_end)
+        finally:
+            client.stop()
+    delivery = delivered.changes / delivered.seconds
+    return {"connect_lag_p50_s": steady.lag_percentile(0.5) or 0.0, "connect_lag_p99_s": steady.lag_percentile(0.99) or 0.0,
+            "connect_catchup_changes": changes, "connect_catchup_changes_per_s": changes / catchup_seconds,
+            "connect_delivery_changes_per_s": delivery,
+            "connect_ratio_catchup_to_delivery": changes / catchup_seconds / delivery}
+
+
 def with_changelog(config: Config) -> Config:
     """``config`` with the change log on, and the slot confirmed at it."""
     return config.model_copy(update={"changelog": config.changelog.model_copy(
@@ -185,12 +215,14 @@ def prepared(server: PgServer, slot: str, parallel_tables: int) -> Config:
 
 def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, parallel_tables: int = 4,
               capacity_steps: int = 4, changelog: bool = False, spark: SparkSession | None = None,
-              store: ObjectStore | None = None) -> dict[str, float]:
+              store: ObjectStore | None = None, connect: bool = False) -> dict[str, float]:
     """``changelog``: the steady load and the backlog are run again with ``changelog.confirm_after:
     changelog`` (same server, slot and targets), and both are reported side by side. ``spark``: a
     session to run in (a test's), else a new one. ``store``: the steady load again with the warehouse
-    on that object store (same server and slot, new targets)."""
-    phases = 3 + changelog + (store is not None)
+    on that object store (same server and slot, new targets). ``connect``: the steady load and a
+    backlog again on a Spark Connect client of a local Connect server started for it (same server
+    and slot, new targets), beside the classic session's figures."""
+    phases = 3 + changelog + (store is not None) + connect
     with PgServer() as server:
         config = prepared(server, "bench", parallel_tables)
         if store is not None:
@@ -228,12 +260,18 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
                 _, stored = steady_follow(server, on_store, spark, seconds, rate, sessions, seed=7, first=False)
                 result["store_lag_p50_s"] = stored.lag_percentile(0.5) or 0.0
                 result["store_lag_p99_s"] = stored.lag_percentile(0.99) or 0.0
+            if connect:
+                print(f"{phases - 1}/{phases} the steady load and a backlog again on a Spark Connect session ...",
+                      flush=True)
+                result.update(_on_connect(server, config, seconds, rate, sessions))
             held = 0.0
             if capacity_steps:
                 print(f"{phases}/{phases} capacity: the steady rate doubled from {rate:g} tx/s per session until the "
                       f"lag p99 passes {CAPACITY_LAG_S:g} s (at most {capacity_steps} rates) ...", flush=True)
                 held, _ = capacity(server, config, spark, seconds, rate, sessions, capacity_steps)
     result["ratio_catchup_to_delivery"] = result["catchup_changes_per_s"] / result["delivery_changes_per_s"]
+    if connect:
+        result["connect_catchup_slowdown"] = result["catchup_changes_per_s"] / result["connect_catchup_changes_per_s"]
     result["capacity_changes_per_s"] = held
     result["ratio_capacity_to_delivery"] = held / result["delivery_changes_per_s"]
     print(f"bench e2e ({sessions} sessions, {seconds:g} s per phase, {parallel_tables} table(s) at once)")
@@ -248,6 +286,13 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
           f"ratio {result['ratio_catchup_to_delivery']:.3f}x (goal >= 0.4x)")
     if changelog:
         _print_changelog(result)
+    if connect:
+        print(f"  on Spark Connect       steady lag p50 {result['connect_lag_p50_s']:.2f} s, "
+              f"p99 {result['connect_lag_p99_s']:.2f} s (classic {result['lag_p99_s']:.2f} s: "
+              f"{result['connect_lag_p99_s'] / max(result['lag_p99_s'], 1e-9):.2f}x); catch-up "
+              f"{result['connect_catchup_changes_per_s']:,.0f} changes/s ({result['connect_catchup_changes']:,.0f} "
+              f"changes), ratio to its delivery {result['connect_ratio_catchup_to_delivery']:.3f}x; Connect ÷ classic "
+              f"catch-up {result['connect_catchup_slowdown']:.2f}x slower (goal <= 1.3x)")
     if store is not None:
         print(f"  on the object store    lag p50 {result['store_lag_p50_s']:.2f} s, p99 {result['store_lag_p99_s']:.2f} s; "
               f"p99 on the store ÷ on the local disk {result['store_lag_p99_s'] / max(result['lag_p99_s'], 1e-9):.2f}x "

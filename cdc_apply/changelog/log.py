@@ -113,6 +113,7 @@ class ChangeLog:
         self.storage = Storage.from_spark_conf(config.spark)  # the log's own files reach its store with it
         self._version: int | None = None
         self._ready = False
+        self._fenced = False
         self.piece_bytes = min(LOG_PIECE_BYTES, config.batching.spill_bytes)
         self.pieces_written = 0  # pieces of spilled transactions in the last append
         self._layout_types: dict[str, Any] | None = None  # the layout's Spark types, by column
@@ -130,9 +131,19 @@ class ChangeLog:
                            f"{sql_string(self._identity())})")
             log.info("created the change log %s", self.target.location)
         self.check()
-        self.target.fence(self.app_id)  # on Connect: a killed client's append cannot land after this read
         self._version = self.target.committed_version(self.app_id)
         self._ready = True
+
+    def _ensure_writing(self) -> None:
+        """Before this process's first append: on Connect, the fence (``apply/fence.py``), so that a
+        killed client's append cannot land after the version read that follows it. Only the log's
+        writer fences its identity: a reader's fence (`follow-changelog`, `trim-changelog`, `status`)
+        would fail the running writer's append as a concurrent transaction."""
+        self.ensure()
+        if not self._fenced:
+            self.target.fence(self.app_id)
+            self._version = self.target.committed_version(self.app_id)
+            self._fenced = True
 
     def check(self) -> None:
         """Refuses a table that is not this pipeline's change log in this layout."""
@@ -165,7 +176,7 @@ class ChangeLog:
         Returns the rows appended."""
         if not transactions:
             return 0
-        self.ensure()
+        self._ensure_writing()
         self.pieces_written = 0
         if self._version is not None:
             # Read again after a crash, a batch may be cut differently: the transactions the log
