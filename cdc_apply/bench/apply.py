@@ -143,7 +143,8 @@ def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batc
     print("\nSpark Connect ÷ classic, the same work in one run (goal <= 1.3x):")
     for key, label in (("merge_apply_s", "collapsed MERGE"), ("append_s", "plain append"),
                        ("per_txn_s", "one MERGE per transaction"), ("new_rows_merge_s", "new rows by MERGE"),
-                       ("new_rows_append_s", "new rows appended")):
+                       ("new_rows_append_s", "new rows appended (fastest)"),
+                       ("new_rows_public_s", "new rows, public append")):
         print(f"  {label:<28} {on_connect[key]:7.2f} s ÷ {classic[key]:7.2f} s = {on_connect[key] / classic[key]:.2f}x")
     print(f"  ratio MERGE apply / append: classic {classic['merge_apply_s'] / classic['append_s']:.2f}x, "
           f"Connect {on_connect['merge_apply_s'] / on_connect['append_s']:.2f}x")

@@ -252,7 +252,7 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
             if changelog:
                 result.update(_changelog_phases(server, with_changelog(config), spark, seconds, rate, sessions, phases))
             if store is not None:
-                print(f"{phases - 1}/{phases} the steady load again, the warehouse on {store.warehouse} ...", flush=True)
+                print(f"{phases - 1 - connect}/{phases} the steady load again, the warehouse on {store.warehouse} ...", flush=True)
                 # New targets that take the changes from now on: no copy of what the local ones hold.
                 on_store = config.model_copy(update={
                     "target": config.target.model_copy(update={"warehouse": store.under("e2e")}),
@@ -260,15 +260,14 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
                 _, stored = steady_follow(server, on_store, spark, seconds, rate, sessions, seed=7, first=False)
                 result["store_lag_p50_s"] = stored.lag_percentile(0.5) or 0.0
                 result["store_lag_p99_s"] = stored.lag_percentile(0.99) or 0.0
-            if connect:
-                print(f"{phases - 1}/{phases} the steady load and a backlog again on a Spark Connect session ...",
-                      flush=True)
-                result.update(_on_connect(server, config, seconds, rate, sessions))
             held = 0.0
             if capacity_steps:
-                print(f"{phases}/{phases} capacity: the steady rate doubled from {rate:g} tx/s per session until the "
+                print(f"{phases - connect}/{phases} capacity: the steady rate doubled from {rate:g} tx/s per session until the "
                       f"lag p99 passes {CAPACITY_LAG_S:g} s (at most {capacity_steps} rates) ...", flush=True)
                 held, _ = capacity(server, config, spark, seconds, rate, sessions, capacity_steps)
+        if connect:  # after the classic session stopped: a process holds one kind of session at a time
+            print(f"{phases}/{phases} the steady load and a backlog again on a Spark Connect session ...", flush=True)
+            result.update(_on_connect(server, config, seconds, rate, sessions))
     result["ratio_catchup_to_delivery"] = result["catchup_changes_per_s"] / result["delivery_changes_per_s"]
     if connect:
         result["connect_catchup_slowdown"] = result["catchup_changes_per_s"] / result["connect_catchup_changes_per_s"]
