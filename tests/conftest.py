@@ -118,6 +118,10 @@ def db18(pg18: PgServer) -> Iterator[tuple[PgServer, str]]:
     yield from fresh_database(pg18)
 
 
+# The settings of the tests' own long-lived Spark JVMs: the shared sessions and the Connect servers.
+TEST_SERVER_CONF = {"spark.driver.extraJavaOptions": "-XX:+UseParallelGC", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
+
+
 @pytest.fixture(scope="session")
 def spark():  # type: ignore[no-untyped-def]
     from cdc_apply.spark import build_spark_session
@@ -130,10 +134,10 @@ def spark():  # type: ignore[no-untyped-def]
         # sessions spend about half of the suite's CPU.
         # Interpreted expressions instead of generated code (Spark's own switch for testing both
         # paths): 13% less JVM CPU per small MERGE in a warm session (240 s against 275 s for 80,
-        # 2026-11-29). The jobs the tests start (CLI verbs, drills, spark-submit, the notebook, the
-        # Connect server) run generated code, as a user's do.
-        session = build_spark_session({"spark.driver.extraJavaOptions": "-XX:+UseParallelGC",
-                                       "spark.sql.codegen.factoryMode": "NO_CODEGEN"})
+        # 2026-11-29). The tests' Connect servers, also long-lived and busy with small MERGEs, run
+        # the same way (TEST_SERVER_CONF). The jobs the tests start (CLI verbs, drills, spark-submit)
+        # run generated code, as a user's do.
+        session = build_spark_session(TEST_SERVER_CONF)
     cpu_budget.shared_jvm_pid = session.sparkContext._gateway.proc.pid
     yield session
     session.stop()

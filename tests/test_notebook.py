@@ -21,6 +21,7 @@ from nbclient import NotebookClient
 from cdc_apply.lake.location import Location, Storage
 from cdc_apply.s3server import S3Server
 from cdc_apply.spark.connect_server import ConnectServer
+from tests.conftest import TEST_SERVER_CONF
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "replay_captured_batch.ipynb"
 
@@ -39,7 +40,7 @@ def test_replay_notebook_executes_on_a_connect_session_into_a_bucket(tmp_path, m
     """As a notebook on Databricks serverless or a shared cluster runs it: a Spark Connect client, the
     warehouse on object storage (the server reaches the bucket; the notebook's own reads and delta-rs
     reach it with the same settings)."""
-    with S3Server() as s3, ConnectServer({"spark.master": "local[2]", **s3.spark_conf()}) as connect:
+    with S3Server() as s3, ConnectServer({"spark.master": "local[2]", **TEST_SERVER_CONF, **s3.spark_conf()}) as connect:
         s3.create_bucket("notebook")
         for key, value in s3.spark_conf().items():  # this session reads the bucket too
             spark.conf.set(key.removeprefix("spark.hadoop."), value)

@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from cdc_apply.arrow_nulls import null_array
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, KEEP, OP
 from cdc_apply.changerows.columns import NotArrowRepresentable
 from cdc_apply.changerows.segments import TableChanges
@@ -102,7 +103,7 @@ def collapsed_columns(table: pa.Table, after_lsn: int | None, column_map: Mappin
             if target in keys:
                 columns[target] = events.keys[keys.index(target)].take(pa.array(last)).cast(kind)
             elif source is None:  # a target column the source no longer has: the upsert keeps the target's value
-                columns[target] = pa.nulls(len(last), kind)
+                columns[target] = null_array(len(last), kind)
                 keep[target] = np.ones(len(last), bool)
             elif source in toast:
                 held = toast[source]
@@ -309,7 +310,7 @@ def _keep_lists(keep: Mapping[str, np.ndarray], upserts: np.ndarray) -> pa.Array
     """The MERGE source's ``_cdc_keep``: per upsert, the target columns whose value stays the target's."""
     list_type = pa.list_(pa.string())
     if not keep:
-        return pa.nulls(len(upserts), list_type)
+        return null_array(len(upserts), list_type)
     names = list(keep)
     if all(mask.all() for mask in keep.values()):  # the common case: the same columns for every row
         return pc.if_else(pa.array(upserts), pa.scalar(names, list_type), pa.scalar(None, list_type))

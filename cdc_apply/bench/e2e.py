@@ -222,7 +222,7 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
     on that object store (same server and slot, new targets). ``connect``: the steady load and a
     backlog again on a Spark Connect client of a local Connect server started for it (same server
     and slot, new targets), beside the classic session's figures."""
-    phases = 3 + changelog + (store is not None) + connect
+    phases = 2 + changelog + (store is not None) + (capacity_steps > 0) + connect
     with PgServer() as server:
         config = prepared(server, "bench", parallel_tables)
         if store is not None:
@@ -252,7 +252,7 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
             if changelog:
                 result.update(_changelog_phases(server, with_changelog(config), spark, seconds, rate, sessions, phases))
             if store is not None:
-                print(f"{phases - 1 - connect}/{phases} the steady load again, the warehouse on {store.warehouse} ...", flush=True)
+                print(f"{3 + changelog}/{phases} the steady load again, the warehouse on {store.warehouse} ...", flush=True)
                 # New targets that take the changes from now on: no copy of what the local ones hold.
                 on_store = config.model_copy(update={
                     "target": config.target.model_copy(update={"warehouse": store.under("e2e")}),
@@ -262,8 +262,8 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
                 result["store_lag_p99_s"] = stored.lag_percentile(0.99) or 0.0
             held = 0.0
             if capacity_steps:
-                print(f"{phases - connect}/{phases} capacity: the steady rate doubled from {rate:g} tx/s per session until the "
-                      f"lag p99 passes {CAPACITY_LAG_S:g} s (at most {capacity_steps} rates) ...", flush=True)
+                print(f"{3 + changelog + (store is not None)}/{phases} capacity: the steady rate doubled from "
+                      f"{rate:g} tx/s per session until the lag p99 passes {CAPACITY_LAG_S:g} s (at most {capacity_steps} rates) ...", flush=True)
                 held, _ = capacity(server, config, spark, seconds, rate, sessions, capacity_steps)
         if connect:  # after the classic session stopped: a process holds one kind of session at a time
             print(f"{phases}/{phases} the steady load and a backlog again on a Spark Connect session ...", flush=True)

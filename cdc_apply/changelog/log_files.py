@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from cdc_apply.arrow_nulls import null_array
 from cdc_apply.apply.files import ParquetFile, WrittenFile, new_file_name
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lake.location import FileRoot
@@ -88,7 +89,7 @@ class CopyLog:
 
     def truncate(self) -> pa.RecordBatch:
         """The attempt's first row: a Truncate of the table (no ``_cdc_change``, as the stream's)."""
-        return self._batch(1, self.first_seq, "T", None, None, pa.nulls(1, pa.binary()), truncate_options=0)
+        return self._batch(1, self.first_seq, "T", None, None, null_array(1, pa.binary()), truncate_options=0)
 
     def inserts(self, values: Sequence[pa.Array], rows: int, first_seq: int,
                 seq_limit: int = MAX_SEQ + 1) -> pa.RecordBatch:
@@ -120,13 +121,13 @@ class CopyLog:
             "commit_ts": repeat(pg_us_to_unix_us(self.commit_ts), pa.int64()).cast(pa.timestamp("us", tz="UTC")),
             "xid": repeat(COPY_XID, pa.int64()),
             "seq": pa.array(np.arange(first_seq, first_seq + rows, dtype=np.int32)),
-            "origin": pa.nulls(rows, pa.string()),
+            "origin": null_array(rows, pa.string()),
             "schema": repeat(self.relation.namespace, pa.string()),
             "table": repeat(self.relation.name, pa.string()),
             "op": repeat(op, pa.string()),
-            "key": pa.nulls(rows, image) if key is None else key,
-            "old": pa.nulls(rows, image),
-            "new": pa.nulls(rows, image) if new is None else new,
+            "key": null_array(rows, image) if key is None else key,
+            "old": null_array(rows, image),
+            "new": null_array(rows, image) if new is None else new,
             "unchanged": pa.ListArray.from_arrays(pa.array(np.zeros(rows + 1, np.int32)), pa.array([], pa.string())),
             "truncate_options": repeat(truncate_options, pa.int8()),
             "end_lsn": repeat(self.version, pa.int64()),

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import pyarrow as pa
 
+from cdc_apply.arrow_nulls import null_array
 from cdc_apply.transactions import Change, Transaction
 from cdc_apply.changerows.codec import ColumnCodec, RelationCodec, Segment, change_row, where_change
 from cdc_apply.errors import CdcApplyError
@@ -115,7 +116,7 @@ def parse_segment(segment: Segment, parsed: ParsedRows | None = None) -> ParsedS
         "op": _op_names().take(np.searchsorted(_OP_CODES, ops)),
         "unchanged": _unchanged(new, segment.codec, count, wired),
         "truncate_options": (pa.array(np.fromiter(map(_TRUNCATE_OPTIONS, changes), np.int8, count), mask=~truncates)
-                             if truncates.any() else pa.nulls(count, pa.int8())),
+                             if truncates.any() else null_array(count, pa.int8())),
     })
     take = None if len(wired) == count else _row_index(count, wired)
     return ParsedSegment(segment, wired, buf, key, old, new, take, common)
@@ -273,7 +274,7 @@ def _struct(children: list[pa.Array] | None, codec: RelationCodec, indexes: list
             take: pa.Array | None) -> pa.Array:
     arrow = codec.image_type(indexes)
     if children is None:
-        return pa.nulls(len(present) if take is None else len(take), arrow)
+        return null_array(len(present) if take is None else len(take), arrow)
     if not indexes:
         struct = pa.array([{} if p else None for p in present], type=arrow)
     else:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
+from cdc_apply.arrow_nulls import null_array
 from cdc_apply.apply.files import ParquetFile, new_file_name
 from cdc_apply.changerows.codec import RelationCodec, UnrepresentableColumnError
 from cdc_apply.changerows.columns import NotArrowRepresentable, text_column
@@ -108,7 +109,7 @@ def chunk_batch(copy: TableCopy, raw: list[pa.Array], chunk: CopyData, codec: Re
         for target, spark_type in copy.data_types.items():
             kind = spark_arrow(arrow_type(spark_type))
             source = source_of.get(target)
-            arrays.append(pa.nulls(rows, kind) if source is None else values[source].cast(kind))
+            arrays.append(null_array(rows, kind) if source is None else values[source].cast(kind))
         for spark_type, value in copy.constants.values():
             arrays.append(pa.repeat(pa.scalar(value, spark_arrow(arrow_type(spark_type))), rows))
     except (UnrepresentableColumnError, NotArrowRepresentable, *_ARROW_FAILURES) as exc:

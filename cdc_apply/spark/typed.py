@@ -26,6 +26,7 @@ import numpy as np
 import psycopg
 import pyarrow as pa
 
+from cdc_apply.arrow_nulls import null_array
 from cdc_apply.changerows.segments import RelationCodec, TableChanges
 from cdc_apply.config import ConfigError
 from cdc_apply.errors import CdcApplyError
@@ -115,7 +116,7 @@ class TableImages:
         children = []
         for field in wanted:
             if field.name not in have:
-                children.append(pa.nulls(len(struct), field.type))
+                children.append(null_array(len(struct), field.type))
                 continue
             child = struct.field(have[field.name])
             try:
