@@ -36,8 +36,7 @@ from cdc_apply.lsn import format_lsn
 from cdc_apply.parts import source_applier
 from cdc_apply.sink import RunSummary
 from cdc_apply.changelog.log_files import COPY_XID
-from cdc_apply.runtime import StopFlag
-from cdc_apply.stream_job import await_query
+from cdc_apply.runtime import StopFlag, await_query
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -1,13 +1,18 @@
-"""Process-wide settings for the processes cdc_apply owns (the CLI, the spark-submit jobs), and the
-stop flag their signals set."""
+"""Process-wide settings for the processes cdc_apply owns (the CLI, the spark-submit jobs), the
+stop flag their signals set, and waiting for a streaming query under it."""
 
 from __future__ import annotations
 
 import gc
 import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql.streaming import StreamingQuery
 
 GC_YOUNG_THRESHOLD = 50_000
 
@@ -41,3 +46,18 @@ class StopFlag:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def await_query(query: StreamingQuery, stop: StopFlag, tick: Callable[[], None] | None = None) -> None:
+    """Until ``query`` ends (available_now) or a stop is asked, when the running micro-batch commits
+    first; ``tick`` is called every half second meanwhile. Raises the query's error."""
+    while query.isActive:
+        if stop.event.wait(0.5):
+            while query.status["isTriggerActive"]:
+                time.sleep(0.2)
+            query.stop()
+            break
+        if tick is not None:
+            tick()
+    if query.exception() is not None:
+        raise query.exception()  # type: ignore[misc]

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from collections.abc import Callable
-
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import psycopg
@@ -28,7 +25,7 @@ from cdc_apply.lake.state import STATE_DIRECTORY
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
 from cdc_apply.parts import run_parts
 from cdc_apply.pipeline import prepare_source
-from cdc_apply.runtime import StopFlag
+from cdc_apply.runtime import StopFlag, await_query
 from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sink import RunSummary
 from cdc_apply.spark.datasource import register as register_pgoutput
@@ -167,21 +164,6 @@ def _wait_for_the_targets(follower: TargetFollower, stop: StopFlag) -> None:
     logged = follower.applier.changelog.version
     while logged is not None and not stop.event.is_set() and not follower.wait_for(logged, timeout=0.5):
         follower.raise_error()
-
-
-def await_query(query: StreamingQuery, stop: StopFlag, tick: Callable[[], None] | None = None) -> None:
-    """Until ``query`` ends (available_now) or a stop is asked, when the running micro-batch commits
-    first; ``tick`` is called every half second meanwhile. Raises the query's error."""
-    while query.isActive:
-        if stop.event.wait(0.5):
-            while query.status["isTriggerActive"]:
-                time.sleep(0.2)
-            query.stop()
-            break
-        if tick is not None:
-            tick()
-    if query.exception() is not None:
-        raise query.exception()  # type: ignore[misc]
 
 
 def _check_health(config: Config, health: HealthMonitor) -> None:
