@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Iterator
@@ -122,13 +123,22 @@ def db18(pg18: PgServer) -> Iterator[tuple[PgServer, str]]:
 TEST_SERVER_CONF = {"spark.driver.extraJavaOptions": "-XX:+UseParallelGC", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
 
 
+@contextlib.contextmanager
+def long_lived_jvm() -> Iterator[None]:
+    """Around the start of a long-lived JVM of the tests' own (a shared session, a Connect server): not
+    the short jobs' options (``CHILD_JVM_OPTIONS``: the JIT's first tier, the serial collector),
+    whose collector would clash with ``TEST_SERVER_CONF``'s."""
+    with pytest.MonkeyPatch.context() as env:
+        if os.environ.get("SPARK_SUBMIT_OPTS") == CHILD_JVM_OPTIONS:  # ours, not the caller's
+            env.delenv("SPARK_SUBMIT_OPTS")
+        yield
+
+
 @pytest.fixture(scope="session")
 def spark():  # type: ignore[no-untyped-def]
     from cdc_apply.spark import build_spark_session
 
-    with pytest.MonkeyPatch.context() as env:
-        if os.environ.get("SPARK_SUBMIT_OPTS") == CHILD_JVM_OPTIONS:  # ours, not the caller's
-            env.delenv("SPARK_SUBMIT_OPTS")
+    with long_lived_jvm():
         # The parallel collector: 10-20% less JVM CPU per small MERGE than G1 in a warm session
         # (2.7-3.1 s against 3.3-3.8 s, three rounds of ten each, 2026-11-29); the tests' two shared
         # sessions spend about half of the suite's CPU.

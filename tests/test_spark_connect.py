@@ -31,7 +31,7 @@ import pytest
 from cdc_apply.apply.targets import Target
 from cdc_apply.bench.crash import CrashDrill, load_table_differences
 from cdc_apply.spark.connect_server import ConnectServer
-from tests.conftest import TEST_SERVER_CONF
+from tests.conftest import TEST_SERVER_CONF, long_lived_jvm
 from tests.delta_oracle import delta_rows, source_types
 from tests.reference_apply import postgres_rows
 from tests.test_crash import CRASH_TEST_KILLS
@@ -45,8 +45,12 @@ TABLES = {"public.orders": ["id", "amount", "note", "n2"], "public.logbook": ["l
 
 @pytest.fixture(scope="module")
 def connect():  # type: ignore[no-untyped-def]
-    with ConnectServer({"spark.master": "local[2]", **TEST_SERVER_CONF}) as server:
+    with long_lived_jvm():
+        server = ConnectServer({"spark.master": "local[2]", **TEST_SERVER_CONF}).start()
+    try:
         yield server
+    finally:
+        server.stop()
 
 
 def _write_config(path: Path, conninfo: str, warehouse: Path, spark: dict[str, str], **sections: object) -> Path:

@@ -166,15 +166,18 @@ class Storage:
         interval = int(match.group(1)) * unit
         return [interval * 2 ** attempt for attempt in range(max(limit, 0))]
 
-    def _retrying(self, location: Location, doing: str, request: Callable[[], T]) -> T:
+    def _retrying(self, location: Location, doing: str, request: Callable[[], T], *, not_found: bool = False) -> T:
         """``request()``, asked again after S3A's waits while the store answers as if away or busy;
-        then a StorageError naming the location and what was being done."""
+        then a StorageError naming the location and what was being done. ``not_found``: a
+        FileNotFoundError is the caller's to handle (a missing object read or deleted)."""
         delays = [] if location.local else self.retry_delays()
         for attempt in range(len(delays) + 1):
             try:
                 return request()
             except FileNotFoundError:
-                raise
+                if not_found:
+                    raise
+                raise StorageError(f"{location}: cannot {doing}: not found") from None
             except OSError as exc:
                 reason = self._scrubbed(_reason(exc))
                 if attempt == len(delays) or not _TRANSIENT.search(str(exc)):
@@ -286,7 +289,7 @@ class Storage:
                 return stream.read()
 
         try:
-            return self._retrying(location, "read", read)
+            return self._retrying(location, "read", read, not_found=True)
         except FileNotFoundError:
             return None
 
@@ -316,7 +319,7 @@ class Storage:
         if location.local and not Path(path).exists():
             return
         try:
-            self._retrying(location, "delete", lambda: filesystem.delete_file(path))
+            self._retrying(location, "delete", lambda: filesystem.delete_file(path), not_found=True)
         except FileNotFoundError:
             pass
 
