@@ -216,8 +216,10 @@ def test_the_pipelines_own_reads_and_writes_ride_out_the_store_away_and_fail_at_
     with pytest.raises(StorageError, match="s3a://lake/retries/state.json: cannot read") as error:
         refused.read_text(document)
     assert time.monotonic() - started < 2 and "wrong-secret-0123" not in str(error.value)
-    with pytest.raises(StorageError, match="not a duration"):
+    with pytest.raises(StorageError, match="spark.hadoop.fs.s3a.retry.interval 'soon': not a duration"):
         Storage.from_spark_conf({"spark.hadoop.fs.s3a.retry.interval": "soon"}).retry_delays()
+    with pytest.raises(StorageError, match="spark.hadoop.fs.s3a.retry.limit 'many': not a whole number"):
+        Storage.from_spark_conf({"spark.hadoop.fs.s3a.retry.limit": "many"}).retry_delays()
 
 
 # The failpoints at which a commit to the bucket has happened and the slot is not yet confirmed; the

@@ -157,14 +157,17 @@ class Storage:
         S3A's own policy, so that Python rides out what Spark's writes ride out. ``fs.s3a.retry.limit``
         attempts more (7 by default), the first after ``fs.s3a.retry.interval`` (500ms), each wait
         twice the last: 63.5 s in all by default."""
-        limit = int(self.s3a.get("retry.limit", "7"))
+        limit_text = self.s3a.get("retry.limit", "7").strip()
+        if not limit_text.isdigit():
+            raise StorageError(f"spark.hadoop.fs.s3a.retry.limit {limit_text!r}: not a whole number of attempts")
+        limit = int(limit_text)
         match = _DURATION.match(self.s3a.get("retry.interval", "500ms"))
         if match is None:
             raise StorageError(f"spark.hadoop.fs.s3a.retry.interval {self.s3a['retry.interval']!r}: "
                                "not a duration (500ms, 2s, 1m)")
         unit = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0}[match.group(2) or "ms"]
         interval = int(match.group(1)) * unit
-        return [interval * 2 ** attempt for attempt in range(max(limit, 0))]
+        return [interval * 2 ** attempt for attempt in range(limit)]
 
     def _retrying(self, location: Location, doing: str, request: Callable[[], T], *, not_found: bool = False) -> T:
         """``request()``, asked again after S3A's waits while the store answers as if away or busy;
