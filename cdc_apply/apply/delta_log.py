@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cdc_apply.lake.location import Location, Storage
@@ -110,7 +109,7 @@ def _from_checkpoint(storage: Storage, log_dir: Location, names: list[str]) -> L
     actions: list[dict[str, Any]] = []
     for name in sorted(n for n in names if n.startswith(f"{version:020d}.checkpoint")):
         if name.endswith(".parquet"):
-            parquet = pq.ParquetFile(pa.BufferReader(storage.read_bytes(log_dir.child(name)) or b""))
+            parquet = pq.ParquetFile(storage.input_file(log_dir.child(name)))
             columns = [c for c in ("txn", "metaData") if c in parquet.schema_arrow.names]
             table = parquet.read(columns=columns)
             for column in columns:

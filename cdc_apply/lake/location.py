@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 from cdc_apply.errors import CdcApplyError
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import pyarrow.fs as pafs
 
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://([^/?#]*)([^?#]*)$")
@@ -278,23 +279,24 @@ class Storage:
 
     def read_text(self, location: Location) -> str | None:
         """The object's text, None when there is none."""
-        data = self.read_bytes(location)
-        return None if data is None else data.decode("utf-8")
-
-    def read_bytes(self, location: Location) -> bytes | None:
-        """The object's bytes, None when there is none."""
         filesystem, path = self.filesystem(location)
         if location.local and not Path(path).is_file():
             return None
 
-        def read() -> bytes:
+        def read() -> str:
             with filesystem.open_input_stream(path) as stream:
-                return stream.read()
+                return stream.read().decode("utf-8")
 
         try:
             return self._retrying(location, "read", read, not_found=True)
         except FileNotFoundError:
             return None
+
+    def input_file(self, location: Location) -> pa.NativeFile:
+        """The object opened for random access (a Parquet reader takes only the columns it needs);
+        the open is asked again while the store is away, as every request here is."""
+        filesystem, path = self.filesystem(location)
+        return self._retrying(location, "open", lambda: filesystem.open_input_file(path))
 
     def write_text(self, location: Location, text: str) -> None:
         """``text`` at ``location``, found by a reader whole or as it was: an object store's PUT is
