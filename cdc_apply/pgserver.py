@@ -107,6 +107,15 @@ def _service_user() -> pwd.struct_passwd | None:
         return pwd.getpwnam(SERVICE_USER)
 
 
+def remove_shared_memory_segment(postmaster_pid_lines: list[str]) -> None:
+    """Mark the System V segment that ``postmaster.pid`` names (its 7th line: key and id) for removal."""
+    try:
+        shmid = postmaster_pid_lines[6].split()[1]
+    except IndexError:
+        return
+    subprocess.run(["ipcrm", "-m", shmid], capture_output=True, check=False)
+
+
 @dataclass
 class PgServer:
     bindir: Path = field(default_factory=default_bindir)
@@ -211,13 +220,23 @@ class PgServer:
         self.root = None
 
     def _kill_postmaster(self) -> None:
+        """kill -9 of the postmaster, and its System V shared memory segment marked for removal.
+
+        A postmaster killed -9 leaves its segment behind (the kernel keeps it until someone removes
+        it), and a machine has 4,096 of them (``kernel.shmmni``): kill after kill, run after run,
+        they ran out, and then every ``initdb`` failed. Marked now, the kernel removes the segment
+        when the last orphaned backend detaches; a restart on the same data directory is unaffected
+        (it checks the segment by its id, and refuses while backends are still attached, as before).
+        """
         pidfile = self.datadir / "postmaster.pid"
         try:
-            pid = int(pidfile.read_text().splitlines()[0])
+            lines = pidfile.read_text().splitlines()
+            pid = int(lines[0])
             os.kill(pid, 9)
             time.sleep(0.2)
         except (OSError, ValueError, IndexError):
-            pass
+            return
+        remove_shared_memory_segment(lines)
 
     def _run(self, argv: list[str], user: pwd.struct_passwd | None) -> None:
         argv = [str(self.bindir / argv[0]), *argv[1:]]
@@ -234,8 +253,11 @@ class PgServer:
             timeout=120,
         )
         if result.returncode != 0:
-            raise PgServerError(f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout}\n"
-                                f"{self.server_log()[-4000:]}")
+            # The cause is in the last lines: they come first, where a shortened log still shows them.
+            last = "\n".join(result.stdout.strip().splitlines()[-3:])
+            raise PgServerError(f"{argv[0]} failed ({result.returncode}): {last}\n--- the command: "
+                                f"{' '.join(argv)}\n--- its output:\n{result.stdout}\n"
+                                f"--- the server's log:\n{self.server_log()[-4000:]}")
 
     def __enter__(self) -> PgServer:
         # ``with PgServer().start() as server`` must not start a second server (that one fails on the port)
