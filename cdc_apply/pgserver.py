@@ -224,7 +224,7 @@ class PgServer:
 
         A postmaster killed -9 leaves its segment behind (the kernel keeps it until someone removes
         it), and a machine has 4,096 of them (``kernel.shmmni``): kill after kill, run after run,
-        they ran out, and then every ``initdb`` failed. Marked now, the kernel removes the segment
+        they can run out, and then every ``initdb`` fails. Marked now, the kernel removes the segment
         when the last orphaned backend detaches; a restart on the same data directory is unaffected
         (it checks the segment by its id, and refuses while backends are still attached, as before).
         """
