@@ -79,7 +79,8 @@ class S3Server:
         self._process = None
 
     def __enter__(self) -> S3Server:
-        return self.start()
+        running = self._process is not None and self._process.poll() is None
+        return self if running else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

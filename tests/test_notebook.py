@@ -43,6 +43,7 @@ def test_replay_notebook_executes_on_a_connect_session_into_a_bucket(tmp_path, m
     with S3Server() as s3:
         with long_lived_jvm():
             connect = ConnectServer({"spark.master": "local[2]", **TEST_SERVER_CONF, **s3.spark_conf()}).start()
+        started = connect._process
         with connect:
             s3.create_bucket("notebook")
             for key, value in s3.spark_conf().items():  # this session reads the bucket too
@@ -50,6 +51,7 @@ def test_replay_notebook_executes_on_a_connect_session_into_a_bucket(tmp_path, m
             execute_and_check(tmp_path, monkeypatch, spark, {"spark.remote": connect.url, **s3.spark_conf()},
                               s3.storage(), "s3a://notebook/lake")
             assert (s3.root / "notebook" / "lake" / "public" / "customers" / "_delta_log").is_dir()  # in the bucket
+        assert started is not None and started.poll() is not None  # the server started above is stopped with it
     assert not any(p.name.startswith("s3a") for p in Path(tmp_path).rglob("*"))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -41,6 +42,17 @@ def s3():  # type: ignore[no-untyped-def]
     with S3Server() as server:
         server.create_bucket("lake")
         yield server
+
+
+def test_a_started_s3_server_used_as_a_context_manager_is_not_started_again(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server = S3Server().start()
+    first = server._process
+    with server:
+        assert server._process is first  # the same process: a second one would leave the first running
+        socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
+    assert first is not None and first.poll() is not None
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
 
 
 def _config(server, dbname: str, s3: S3Server, pipeline: str, warehouse: str,  # type: ignore[no-untyped-def]

@@ -82,7 +82,10 @@ class ConnectServer:
         self._process = None
 
     def __enter__(self) -> ConnectServer:
-        return self.start()
+        # ``with ConnectServer(...).start() as server`` must not start a second one: it would find the
+        # port taken by the first and listening, so the first would never be stopped (it outlived the
+        # notebook's test for the rest of the suite, a JVM with its Python workers)
+        return self if self.running() else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
