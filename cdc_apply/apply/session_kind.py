@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import threading
 from typing import TYPE_CHECKING
 
@@ -56,10 +57,9 @@ def new_session(spark: SparkSession) -> SparkSession:
             builder = builder.config(key, value)
     created = builder.create()
     with _lock:
-        if not _created:
-            atexit.register(_stop_created)
         _created.append(created)
         _urls[created.session_id] = url
+    _close_at_exit(created)
     return created
 
 
@@ -70,20 +70,47 @@ def remember_url(spark: SparkSession, url: str) -> None:
     """The Connect server ``spark`` was built against, for ``new_session``."""
     with _lock:
         _urls[spark.session_id] = url
+    _close_at_exit(spark)
 
 
-# A Connect session left to the garbage collector at the interpreter's exit can hang it (closing its
-# gRPC channel waits for threads that are gone): the sessions made here are stopped while it runs.
+# At the interpreter's exit, pyspark releases each Connect session on its server, retrying for
+# minutes while the server does not answer: a process whose server had stopped or died (a bench after
+# its server, a pipeline after a failover of it) hung about ten minutes before it exited. So the
+# sessions built here are closed first (atexit runs the handlers registered last first): stopped
+# while their server listens, their channels closed without a call while it does not. A session
+# left to the garbage collector could hang the exit too (closing its channel waits for threads that
+# are gone).
 _urls: dict[str, str] = {}
-_created: list[SparkSession] = []
+_created: list[SparkSession] = []  # by new_session: stopped at exit; the others are the caller's
 _lock = threading.Lock()
 
 
-def _stop_created() -> None:
+def _close_at_exit(spark: SparkSession) -> None:
+    atexit.register(_close, spark)
+
+
+def _close(spark: SparkSession) -> None:
     with _lock:
-        created, _created[:] = list(_created), []
-    for session in created:
-        try:
-            session.stop()
-        except Exception:  # noqa: BLE001 - the server may be gone; the process is ending anyway
-            pass
+        url = _urls.get(spark.session_id)
+        created = spark in _created
+    client = spark.client  # type: ignore[attr-defined]
+    if client.is_closed:
+        return
+    try:
+        if url is not None and not server_listens(url):
+            client.close()  # no call to a server that is gone; pyspark's own exit handler skips it then
+        elif created:
+            spark.stop()
+    except Exception:  # noqa: BLE001 - the process is ending anyway
+        pass
+
+
+def server_listens(url: str, timeout: float = 1.0) -> bool:
+    """Whether the Spark Connect server at ``url`` (``sc://host:port/;params``) accepts a connection."""
+    address = url.removeprefix("sc://").split("/", 1)[0].split(";", 1)[0]
+    host, _, port = address.rpartition(":") if ":" in address else (address, "", "15002")
+    try:
+        socket.create_connection((host.strip("[]") or "localhost", int(port or 15002)), timeout=timeout).close()
+    except (OSError, ValueError):
+        return False
+    return True

@@ -1,0 +1,39 @@
+"""A Spark Connect client process exits at once when its server is gone (no server, no JVM here)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+
+from cdc_apply.apply.session_kind import server_listens
+from cdc_apply.pgserver import free_port
+
+
+def test_a_connect_client_whose_server_is_gone_exits_at_once() -> None:
+    # pyspark's own exit handler asks the server to release the session and retries for minutes
+    # (a bench whose server had stopped hung about ten minutes at its end); cdc_apply closes the
+    # channel first when nothing listens there.
+    script = textwrap.dedent(f"""
+        from pyspark.sql import SparkSession
+        from cdc_apply.apply.session_kind import remember_url
+        url = "sc://127.0.0.1:{free_port()}"
+        spark = SparkSession.builder.remote(url).create()
+        remember_url(spark, url)
+        print("built", flush=True)
+    """)
+    # A hang, not a speed: the process ends within seconds, or retries for minutes (TimeoutExpired).
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "built" in result.stdout, result.stderr[-2000:]
+
+
+def test_server_listens_reads_host_and_port_from_a_connect_url() -> None:
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert server_listens(f"sc://127.0.0.1:{port}")
+        assert server_listens(f"sc://127.0.0.1:{port}/;user_id=me;token=x")
+    assert not server_listens(f"sc://127.0.0.1:{port}")
+    assert not server_listens("sc://127.0.0.1:not-a-port")
