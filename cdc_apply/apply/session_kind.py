@@ -97,12 +97,22 @@ def _close(spark: SparkSession) -> None:
     if client.is_closed:
         return
     try:
-        if url is not None and not server_listens(url):
+        if url is not None and not _listens_at_exit(url):
             client.close()  # no call to a server that is gone; pyspark's own exit handler skips it then
         elif created:
             spark.stop()
     except Exception:  # noqa: BLE001 - the process is ending anyway
         pass
+
+
+def _listens_at_exit(url: str) -> bool:
+    """``server_listens``, asked once per server at exit (a server that drops packets costs a timeout)."""
+    if url not in _listening:
+        _listening[url] = server_listens(url)
+    return _listening[url]
+
+
+_listening: dict[str, bool] = {}
 
 
 def server_listens(url: str, timeout: float = 1.0) -> bool:
