@@ -72,15 +72,18 @@ class S3Server:
         wait_until_listening(self._process, self.port, timeout, "versitygw", log.name)
         return self
 
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
     def stop(self) -> None:
-        if self._process is not None and self._process.poll() is None:
+        if self.running():
+            assert self._process is not None
             self._process.terminate()
             self._process.wait(timeout=30)
         self._process = None
 
     def __enter__(self) -> S3Server:
-        running = self._process is not None and self._process.poll() is None
-        return self if running else self.start()
+        return self if self.running() else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

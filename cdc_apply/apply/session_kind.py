@@ -57,9 +57,8 @@ def new_session(spark: SparkSession) -> SparkSession:
             builder = builder.config(key, value)
     created = builder.create()
     with _lock:
-        _created.append(created)
         _urls[created.session_id] = url
-    _close_at_exit(created)
+    _close_at_exit(created, created=True)
     return created
 
 
@@ -81,18 +80,17 @@ def remember_url(spark: SparkSession, url: str) -> None:
 # left to the garbage collector could hang the exit too (closing its channel waits for threads that
 # are gone).
 _urls: dict[str, str] = {}
-_created: list[SparkSession] = []  # by new_session: stopped at exit; the others are the caller's
 _lock = threading.Lock()
 
 
-def _close_at_exit(spark: SparkSession) -> None:
-    atexit.register(_close, spark)
+def _close_at_exit(spark: SparkSession, created: bool = False) -> None:
+    """``created``: made by ``new_session``, so stopped here at exit; the others are the caller's."""
+    atexit.register(_close, spark, created)
 
 
-def _close(spark: SparkSession) -> None:
+def _close(spark: SparkSession, created: bool) -> None:
     with _lock:
         url = _urls.get(spark.session_id)
-        created = spark in _created
     client = spark.client  # type: ignore[attr-defined]
     if client.is_closed:
         return
