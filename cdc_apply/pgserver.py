@@ -241,10 +241,15 @@ class PgServer:
     def _run(self, argv: list[str], user: pwd.struct_passwd | None) -> None:
         argv = [str(self.bindir / argv[0]), *argv[1:]]
         env = {**os.environ, "LC_ALL": "C"}
+        # As the service user through setpriv, not subprocess's user=/group=: with those Python must
+        # fork() rather than vfork, and fork runs the parent's fork handlers in the child. In a
+        # process holding a gRPC client (a Spark Connect session: the notebook's kernel) gRPC's
+        # handler aborted the child before it ran initdb ("Check failed: next_worker->state ==
+        # KICKED", exit -6).
+        prefix = [] if user is None else ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}",
+                                          "--clear-groups", "--"]
         result = subprocess.run(
-            argv,
-            user=user.pw_uid if user else None,
-            group=user.pw_gid if user else None,
+            [*prefix, *argv],
             env=env,
             cwd=self.root,
             stdout=subprocess.PIPE,
