@@ -156,6 +156,8 @@ def _cmd_trim_changelog(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from cdc_apply.apply.fence import clean_stops
+    from cdc_apply.apply.options import apply_options
     from cdc_apply.config import load_config
     from cdc_apply.pipeline import drain
     from cdc_apply.runtime import StopFlag
@@ -163,7 +165,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     spark = _spark_session(config)
-    with StopFlag().on_signals() as stop:
+    with StopFlag().on_signals() as stop, clean_stops(spark, apply_options(config).state):
         if args.follow:
             from cdc_apply.live import follow
 

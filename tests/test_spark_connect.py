@@ -109,6 +109,11 @@ def _assert_equal(spark, conn: psycopg.Connection, warehouse: Path) -> None:  # 
         (1, "a", False), (1, "a2", True), (2, "b", False)]
 
 
+def _fence_commits(spark, table: Path) -> int:  # type: ignore[no-untyped-def]
+    history = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").collect()
+    return sum(1 for row in history if '"fence"' in (row.userMetadata or ""))
+
+
 def _run_once(config: Path, spark) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     """`run --once`: as a CLI process (its session from the config), or with ``spark``, the tests'
     classic session, in this process. Returns (rows copied into public.orders, batches applied)."""
@@ -140,9 +145,21 @@ def test_run_once_copies_streams_and_evolves_through_public_apis(mode, db18, spa
     with psycopg.connect(conninfo, autocommit=True) as conn:
         _workload(conn, 0)
         assert _run_once(config, session)[0] == 2000
+        # The tables the first run applied through the applier (the small copies) are in its clean
+        # stop's marker (``apply/fence.py``); orders, copied by Spark's tasks, is fenced at its first touch.
+        clean = ["soft", "hist"]
+        if mode == "connect":
+            marker = json.loads((warehouse / "_cdc_apply" / "clean_stop" / "cx.json").read_text())
+            assert {f"{warehouse}/public/{name}" for name in clean} <= {e["location"] for e in marker["fenced"]}, marker
         _workload(conn, 1)
         assert _run_once(config, session)[1] >= 1
         _assert_equal(spark, conn, warehouse)
+        # After a clean stop the next client has nothing to fence: no empty commit moved a version on
+        # in a table the marker named, though the run wrote to each.
+        for name in clean:
+            assert _fence_commits(spark, warehouse / "public" / name) == 0, name
+        if mode == "connect":
+            assert _fence_commits(spark, warehouse / "public" / "orders") == 1
         # Every commit is Delta's own writer's: no file appended outside it, none without its version.
         orders = spark.sql(f"DESCRIBE HISTORY delta.`{warehouse}/public/orders`").collect()
         assert {row.operation for row in orders} <= {"CREATE TABLE", "WRITE", "MERGE", "ADD COLUMNS",
@@ -316,6 +333,9 @@ def test_kill_9_of_a_connect_client_under_load(db18, spark, connect, tmp_path) -
     assert not drill.problems, drill.problems
     assert drill.failpoint_kills == 4 and drill.random_kills == CRASH_TEST_KILLS
     assert drill.load is not None and drill.load.committed > 30
+    # A killed client leaves no clean-stop marker: each client after a failpoint's kill fenced the
+    # ledger before it reached its own failpoint.
+    assert _fence_commits(spark, Path(drill.warehouse) / "public" / "ledger") >= 3
     with psycopg.connect(conninfo, autocommit=True) as conn:
         assert_delta_equals_postgres(spark, conn, drill.warehouse)
         assert load_table_differences(spark, conn, drill.warehouse) == {}

@@ -7,6 +7,8 @@ databases share one warehouse:
 - ``changelog_applied/<pipeline>.json``: the commit LSN every target holds the change log to
   (``AppliedPosition``);
 - ``resync/<pipeline>/<oid>``: a re-copy asked for and not finished (``ResyncMarks``).
+- ``clean_stop/<pipeline>.json``: on Spark Connect, what a run that stopped cleanly left fenced
+  (``apply/fence.clean_stops``).
 
 Each is a small object with one writer, its pipeline, written whole: an object store's PUT is
 atomic, and a local file is written beside and renamed over. So the state needs no Spark (``status``
