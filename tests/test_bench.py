@@ -11,7 +11,6 @@ import pytest
 
 from cdc_apply.bench.apply import bench_apply
 from cdc_apply.bench.e2e import bench_e2e
-from cdc_apply.bench.restart import bench_restart
 from cdc_apply.bench.snapshot import bench_snapshot
 from cdc_apply.bench.soak import bench_soak
 from cdc_apply.bench.stream import bench_stream
@@ -116,12 +115,3 @@ def test_bench_snapshot_times_five_copies_of_the_same_rows(spark, capsys) -> Non
     assert result["tasks_over_delta_writer"] > 0 and result["logged_over_tasks"] > 0
 
 
-@pytest.mark.spark
-@pytest.mark.pg
-def test_bench_restart_times_a_restarted_run_to_its_first_change(capsys) -> None:  # type: ignore[no-untyped-def]
-    result = bench_restart(rounds=1, mode="follow", connect=True)
-    report = capsys.readouterr().out
-    assert re.search(r"process start -> first new change applied: median [0-9.]+ s", report), report
-    assert 0 < result["streaming_s"] <= result["applied_s"], report
-    assert 0 < result["connect_streaming_s"] <= result["connect_applied_s"], report
-    assert re.search(r"first new change applied, Connect / classic: [0-9.]+x", report), report

@@ -395,3 +395,18 @@ def test_a_killed_clients_commit_that_the_server_finishes_is_fenced_off(spark, c
     assert landed == ([] if read == ["6"] else [len(commits) - 2])
     assert spark.read.format("delta").load(str(target)).count() == (0 if read == ["6"] else 4)
 
+
+
+@pytest.mark.pg
+def test_bench_restart_times_a_restarted_run_to_its_first_change(connect, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`bench restart --connect`, one round, its Connect clients on this module's server (the CLI
+    starts a server of its own)."""
+    from cdc_apply.bench.restart import bench_restart
+
+    result = bench_restart(rounds=1, mode="follow", connect=True, connect_url=connect.url)
+    report = capsys.readouterr().out
+    assert re.search(r"process start -> first new change applied: median [0-9.]+ s", report), report
+    assert 0 < result["streaming_s"] <= result["applied_s"], report
+    assert 0 < result["connect_streaming_s"] <= result["connect_applied_s"], report
+    assert re.search(r"first new change applied, Connect / classic: [0-9.]+x", report), report
+    assert f"Spark Connect clients of {connect.url}" in report, report

@@ -11,6 +11,7 @@ the change applied; then the median and range over the rounds.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import statistics
 import tempfile
@@ -75,10 +76,11 @@ def _report(label: str, rounds: int, streaming: list[float], applied: list[float
           f"({min(applied):.2f}-{max(applied):.2f}); goal <= 3 s")
 
 
-def bench_restart(rounds: int = 5, mode: str = "follow", connect: bool = False) -> dict[str, float]:
+def bench_restart(rounds: int = 5, mode: str = "follow", connect: bool = False,
+                  connect_url: str | None = None) -> dict[str, float]:
     """``mode``: ``follow`` (`run --follow`) or ``stream`` (`cdc-apply stream`). ``connect``: also
-    the same restarts as Spark Connect clients of a server that stays up (started here), after the
-    classic ones, in the same run."""
+    the same restarts as Spark Connect clients of a server that stays up, after the classic ones, in
+    the same run: the server at ``connect_url``, else one started here."""
     if mode not in READY:
         raise ValueError(f"bench restart: --mode is follow or stream, not {mode!r}")
     print(f"bench restart --mode {mode}: classic sessions ...", flush=True)
@@ -88,9 +90,10 @@ def bench_restart(rounds: int = 5, mode: str = "follow", connect: bool = False) 
     if connect:
         from cdc_apply.spark.connect_server import ConnectServer
 
-        with ConnectServer() as server:
-            print(f"bench restart --mode {mode}: Spark Connect clients of {server.url} ...", flush=True)
-            streaming, applied = _rounds(rounds, mode, {"spark.remote": server.url})
+        with contextlib.nullcontext() if connect_url else ConnectServer() as server:
+            url = connect_url or server.url
+            print(f"bench restart --mode {mode}: Spark Connect clients of {url} ...", flush=True)
+            streaming, applied = _rounds(rounds, mode, {"spark.remote": url})
         _report(f"bench restart --mode {mode}, Spark Connect", rounds, streaming, applied)
         result |= {"connect_streaming_s": statistics.median(streaming), "connect_applied_s": statistics.median(applied)}
         print(f"  first new change applied, Connect / classic: {result['connect_applied_s'] / result['applied_s']:.2f}x")
