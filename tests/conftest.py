@@ -153,6 +153,24 @@ def spark():  # type: ignore[no-untyped-def]
     session.stop()
 
 
+@pytest.fixture(scope="session")
+def connect_with_s3():  # type: ignore[no-untyped-def]
+    """One Spark Connect server per test worker, for every test that needs one (the Connect module's,
+    the notebook's), with the settings that reach an S3 server of its own: each Connect server the
+    tests start costs about a minute of CPU before it serves anything."""
+    from cdc_apply.s3server import S3Server
+    from cdc_apply.spark.connect_server import ConnectServer
+
+    with S3Server() as s3:
+        with long_lived_jvm():
+            server = ConnectServer({"spark.master": "local[2]", **TEST_SERVER_CONF, **s3.spark_conf()}).start()
+        started = server._process
+        with server:
+            assert server._process is started  # a started server used as a context manager: not started again
+            yield server, s3
+        assert started is not None and started.poll() is not None  # and stopped with it
+
+
 def _delta_rs_counts() -> tuple[int, dict[str, list[str]]]:
     import sys
 

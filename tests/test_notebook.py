@@ -19,9 +19,6 @@ from deltalake import DeltaTable
 from nbclient import NotebookClient
 
 from cdc_apply.lake.location import Location, Storage
-from cdc_apply.s3server import S3Server
-from cdc_apply.spark.connect_server import ConnectServer
-from tests.conftest import TEST_SERVER_CONF, long_lived_jvm
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "replay_captured_batch.ipynb"
 
@@ -36,22 +33,18 @@ def _text(cell) -> str:  # type: ignore[no-untyped-def]
 
 @pytest.mark.spark
 @pytest.mark.pg
-def test_replay_notebook_executes_on_a_connect_session_into_a_bucket(tmp_path, monkeypatch, spark) -> None:  # type: ignore[no-untyped-def]
+def test_replay_notebook_executes_on_a_connect_session_into_a_bucket(tmp_path, monkeypatch, spark,  # type: ignore[no-untyped-def]
+                                                                  connect_with_s3) -> None:
     """As a notebook on Databricks serverless or a shared cluster runs it: a Spark Connect client, the
     warehouse on object storage (the server reaches the bucket; the notebook's own reads and delta-rs
-    reach it with the same settings)."""
-    with S3Server() as s3:
-        with long_lived_jvm():
-            connect = ConnectServer({"spark.master": "local[2]", **TEST_SERVER_CONF, **s3.spark_conf()}).start()
-        started = connect._process
-        with connect:
-            s3.create_bucket("notebook")
-            for key, value in s3.spark_conf().items():  # this session reads the bucket too
-                spark.conf.set(key.removeprefix("spark.hadoop."), value)
-            execute_and_check(tmp_path, monkeypatch, spark, {"spark.remote": connect.url, **s3.spark_conf()},
-                              s3.storage(), "s3a://notebook/lake")
-            assert (s3.root / "notebook" / "lake" / "public" / "customers" / "_delta_log").is_dir()  # in the bucket
-        assert started is not None and started.poll() is not None  # the server started above is stopped with it
+    reach it with the same settings). The server is the worker's (tests/conftest.py)."""
+    connect, s3 = connect_with_s3
+    s3.create_bucket("notebook")
+    for key, value in s3.spark_conf().items():  # this session reads the bucket too
+        spark.conf.set(key.removeprefix("spark.hadoop."), value)
+    execute_and_check(tmp_path, monkeypatch, spark, {"spark.remote": connect.url, **s3.spark_conf()},
+                      s3.storage(), "s3a://notebook/lake")
+    assert (s3.root / "notebook" / "lake" / "public" / "customers" / "_delta_log").is_dir()  # in the bucket
     assert not any(p.name.startswith("s3a") for p in Path(tmp_path).rglob("*"))
 
 

@@ -30,8 +30,6 @@ import pytest
 
 from cdc_apply.apply.targets import Target
 from cdc_apply.bench.crash import CrashDrill, load_table_differences
-from cdc_apply.spark.connect_server import ConnectServer
-from tests.conftest import TEST_SERVER_CONF, long_lived_jvm
 from tests.delta_oracle import delta_rows, source_types
 from tests.reference_apply import postgres_rows
 from tests.test_crash import CRASH_TEST_KILLS
@@ -44,13 +42,8 @@ TABLES = {"public.orders": ["id", "amount", "note", "n2"], "public.logbook": ["l
 
 
 @pytest.fixture(scope="module")
-def connect():  # type: ignore[no-untyped-def]
-    with long_lived_jvm():
-        server = ConnectServer({"spark.master": "local[2]", **TEST_SERVER_CONF}).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def connect(connect_with_s3):  # type: ignore[no-untyped-def]
+    return connect_with_s3[0]  # the worker's Connect server (tests/conftest.py)
 
 
 def _write_config(path: Path, conninfo: str, warehouse: Path, spark: dict[str, str], **sections: object) -> Path:
