@@ -78,12 +78,16 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mark_layers(items)
     longest = [next((i for i in items if i.nodeid.startswith(path)), None) for path in LONGEST_FIRST]
-    rest = [i for i in items if i not in longest]
+    # The tests of a Connect server (``connect_with_s3``, one per worker) together, so one worker
+    # starts one: each start costs about a minute of CPU.
+    connect = [i for i in items if i not in longest and "connect_with_s3" in getattr(i, "fixturenames", ())]
+    rest = [i for i in items if i not in longest and i not in connect]
     first, second = [i for i in longest if i is not None][:1], [i for i in longest if i is not None][1:]
     # xdist's worksteal hands the first worker items[:len // 2] and the second the rest, and steals
-    # from the ends of those lists: ``second`` goes at the head of the second worker's half.
-    split = len(items) // 2 - len(first)
-    items[:] = first + rest[:split] + second + rest[split:]
+    # from the ends of those lists: ``second`` and then the Connect tests go at the head of the
+    # second worker's half, where nothing is stolen.
+    split = max(0, len(items) // 2 - len(first))
+    items[:] = first + rest[:split] + second + connect + rest[split:]
 
 
 @pytest.fixture(scope="session")

@@ -157,8 +157,12 @@ def test_run_once_copies_streams_and_evolves_through_public_apis(mode, db18, spa
         orders = spark.sql(f"DESCRIBE HISTORY delta.`{warehouse}/public/orders`").collect()
         assert {row.operation for row in orders} <= {"CREATE TABLE", "WRITE", "MERGE", "ADD COLUMNS",
                                                       "SET TBLPROPERTIES", "OPTIMIZE"}, orders
+        if mode == "connect":  # a marker that is not cdc_apply's JSON: warned of, and replaced at the stop
+            (warehouse / "_cdc_apply" / "clean_stop" / "cx.json").write_text("{not json")
         # A third run finds nothing new and applies nothing twice.
         assert _run_once(config, session) == (0, 0)
+        if mode == "connect":
+            assert "fenced" in json.loads((warehouse / "_cdc_apply" / "clean_stop" / "cx.json").read_text())
         assert len(spark.sql(f"DESCRIBE HISTORY delta.`{warehouse}/public/orders`").collect()) == len(orders)
         _assert_equal(spark, conn, warehouse)
 

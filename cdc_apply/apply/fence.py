@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from cdc_apply.apply.delta_log import LogState
 from cdc_apply.apply.session_kind import is_connect
+from cdc_apply.lake.location import Location, StorageError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from cdc_apply.lake.location import Location
     from cdc_apply.lake.state import PipelineState
 
 log = logging.getLogger(__name__)
@@ -103,12 +103,15 @@ def clean_stops(spark: SparkSession, state: PipelineState) -> Iterator[None]:
         yield
         return
     location = _marker(state)
-    found = state.read_json(location)
-    if found is not None:
-        state.storage.delete(location)  # from here a kill leaves no marker
-        with _lock:
-            _stopped_cleanly_at.update({(entry["location"], entry["app_id"]): int(entry["version"])
-                                        for entry in found.get("fenced", [])})
+    try:  # the marker is a shortcut only: without it every target is fenced
+        found = state.read_json(location)
+        if found is not None:
+            state.storage.delete(location)  # from here a kill leaves no marker
+            with _lock:
+                _stopped_cleanly_at.update({(entry["location"], entry["app_id"]): int(entry["version"])
+                                            for entry in found.get("fenced", [])})
+    except StorageError as exc:
+        log.warning("%s; every target is fenced", exc)
     yield
     with _lock:
         fenced = list(_fenced.items())
@@ -119,4 +122,7 @@ def clean_stops(spark: SparkSession, state: PipelineState) -> Iterator[None]:
         held = target.log().writers.get(app_id)
         if held is not None:
             entries.append({"location": target_location, "app_id": app_id, "version": held.version})
-    state.write_json(location, {"fenced": entries})
+    try:
+        state.write_json(location, {"fenced": entries})
+    except StorageError as exc:  # the run itself ended well: the next one fences
+        log.warning("the clean stop's marker was not written (%s); the next run fences every target", exc)
