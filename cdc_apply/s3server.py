@@ -57,6 +57,10 @@ class S3Server:
     _process: subprocess.Popen[bytes] | None = None
 
     @property
+    def log(self) -> Path:
+        return self.root.parent / f"{self.root.name}.log"
+
+    @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
@@ -65,7 +69,7 @@ class S3Server:
         if not binary.exists():
             raise RuntimeError(f"versitygw is not built at {binary}: run ./dev setup (it needs the Go toolchain)")
         self.port = self.port or free_port()
-        log = open(self.root.parent / f"{self.root.name}.log", "ab")
+        log = open(self.log, "ab")
         self._process = subprocess.Popen(
             [str(binary), "--access", self.access_key, "--secret", self.secret_key, "--region", REGION,
              "--port", f"127.0.0.1:{self.port}", "posix", str(self.root)], stdout=log, stderr=log)
@@ -85,9 +89,11 @@ class S3Server:
     def __enter__(self) -> S3Server:
         return self if self.running() else self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
+        if kind is None:  # the log is kept only to explain a failure
+            self.log.unlink(missing_ok=True)
 
     def create_bucket(self, name: str) -> str:
         import pyarrow.fs as pafs

@@ -173,6 +173,8 @@ def connect_with_s3():  # type: ignore[no-untyped-def]
             assert server._process is started  # a started server used as a context manager: not started again
             yield server, s3
         assert started is not None and started.poll() is not None  # and stopped with it
+        assert not server.log.exists()  # a log is kept only after a failure
+    assert not s3.log.exists() and not s3.root.exists()
 
 
 def _delta_rs_counts() -> tuple[int, dict[str, list[str]]]:

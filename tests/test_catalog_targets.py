@@ -60,7 +60,10 @@ def _metastore_conf(directory: Path) -> dict[str, str]:
             "spark.sql.warehouse.dir": str(directory / "hive-warehouse"),
             "spark.hadoop.javax.jdo.option.ConnectionURL":
                 f"jdbc:derby:;databaseName={directory / 'metastore_db'};create=true",
-            "spark.driver.extraJavaOptions": f"-Dderby.system.home={directory}"}
+            "spark.driver.extraJavaOptions": f"-Dderby.system.home={directory}",
+            # Hive's session files, in java.io.tmpdir (/tmp) unless set: one directory per JVM left behind
+            "spark.hadoop.hive.downloaded.resources.dir": str(directory / "hive-resources"),
+            "spark.hadoop.hive.exec.local.scratchdir": str(directory / "hive-scratch")}
 
 
 def _in_a_new_process(conf: dict[str, str], conninfo: str, tables: dict[str, tuple[str, list[str]]],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -61,6 +62,9 @@ def execute_and_check(tmp_path, monkeypatch, spark, spark_conf: dict[str, str], 
     assert all(not any(o.get("output_type") == "error" for o in cell.get("outputs", [])) for cell in code)
     outputs = "\n".join(_text(cell) for cell in code)
     assert "captured" in outputs and "public.customers" in outputs
+    capture = re.search(r"^capture: (\S+)", outputs, re.M)
+    assert capture is not None, outputs[:2000]
+    shutil.rmtree(Path(capture[1]).parent)  # the notebook's own capture directory, made in /tmp
     kind = "Spark Connect" if "spark.remote" in spark_conf else "classic"
     assert re.search(rf"^Spark 4\.\S+ session: {kind}$", outputs, re.M), outputs[:2000]
     # The whole capture is one batch into a new table: every key of customers arrives first as an

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import sys
+import tempfile
 
 from cdc_apply.bench.store import object_store
+
+
+def scratch_directory(prefix: str) -> str:
+    """A new directory for one bench's warehouse and files, removed when the process ends (a bench
+    run by the tests would otherwise leave one in /tmp each time)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def run_bench(name: str, args: argparse.Namespace) -> int:

@@ -13,12 +13,12 @@
 
 from __future__ import annotations
 
-import tempfile
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
 import psycopg
 
+from cdc_apply.bench import scratch_directory
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.config import Config, parse_config
 from cdc_apply.live import BackgroundReplicator
@@ -150,7 +150,7 @@ def _on_connect(server: PgServer, config: Config, seconds: float, rate: float, s
     with ConnectServer({"spark.master": "local[2]"}) as connect_server:
         remote = {"spark.remote": connect_server.url}
         on_connect = config.model_copy(update={
-            "target": config.target.model_copy(update={"warehouse": tempfile.mkdtemp(prefix="cdc_apply_bench_cx_")}),
+            "target": config.target.model_copy(update={"warehouse": scratch_directory("cdc_apply_bench_cx_")}),
             "snapshot": config.snapshot.model_copy(update={"enabled": False}), "spark": remote})
         client = build_spark_session(remote)
         try:
@@ -210,7 +210,7 @@ def prepared(server: PgServer, slot: str, parallel_tables: int) -> Config:
     """The load's tables on ``server``, and a pipeline config for them on ``slot`` with a fresh warehouse."""
     with psycopg.connect(server.dsn, autocommit=True) as conn:
         create_schema(conn, "bench")
-    return bench_config(server, tempfile.mkdtemp(prefix=f"cdc_apply_bench_{slot}_"), slot, parallel_tables)
+    return bench_config(server, scratch_directory(f"cdc_apply_bench_{slot}_"), slot, parallel_tables)
 
 
 def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, parallel_tables: int = 4,

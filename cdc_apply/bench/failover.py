@@ -24,7 +24,6 @@ there to the marker applied (decode and one MERGE), and the rebuilt standby's ti
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
+from cdc_apply.bench import scratch_directory
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.config import Config, parse_config
 from cdc_apply.live import BackgroundReplicator
@@ -206,7 +206,7 @@ def drill_failovers(drill: FailoverDrill, failures: tuple[str, ...] = FAILURES, 
 
 
 def bench_failover(rounds: int = 3, rate: float = 5.0) -> list[FailoverTimes]:
-    warehouse = tempfile.mkdtemp(prefix="cdc_apply_bench_failover_")
+    warehouse = scratch_directory("cdc_apply_bench_failover_")
     failures = tuple(FAILURES[number % len(FAILURES)] for number in range(rounds))
     print(f"failover: {rounds} failovers ({', '.join(failures)}) under 2 sessions x {rate:g} tx/s, "
           "the old primary rebuilt as the standby after each ...", flush=True)

@@ -17,12 +17,12 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import psycopg
 
+from cdc_apply.bench import scratch_directory
 from cdc_apply.lake.state import AppliedPosition, PipelineState
 from cdc_apply.lsn import parse_lsn
 from cdc_apply.pgserver import PgServer
@@ -51,7 +51,7 @@ def _children(pid: int) -> list[int]:
 
 def bench_memory(megabytes: float = 1024.0, updates: bool = False, changelog: bool = False) -> dict[str, float]:
     rows = max(1, int(megabytes * 2**20 / ROW_BYTES))
-    folder = Path(tempfile.mkdtemp(prefix="cdc_apply_bench_memory_"))
+    folder = Path(scratch_directory("cdc_apply_bench_memory_"))
     warehouse = str(folder / "wh")
     with PgServer() as server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:

@@ -24,13 +24,13 @@ from __future__ import annotations
 import contextlib
 import io
 import resource
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 
 import psycopg
 
+from cdc_apply.bench import scratch_directory
 from cdc_apply.bench.store import ObjectStore
 from cdc_apply.pgserver import PgServer
 
@@ -156,7 +156,7 @@ def bench_snapshot(rows: int = 2_000_000, spark=None,  # type: ignore[no-untyped
             create_lineitem(conn, rows)
             conn.execute("CREATE PUBLICATION bench FOR TABLE lineitem")
             size = conn.execute("SELECT pg_size_pretty(pg_table_size('lineitem'))").fetchone()[0]  # type: ignore[index]
-        warehouse = tempfile.mkdtemp(prefix="cdc_apply_bench_snapshot_")
+        warehouse = scratch_directory("cdc_apply_bench_snapshot_")
         variants = {name: variant for name, variant in VARIANTS.items()
                     if (changelog or not variant[1]) and (store is not None or name != "store")}
         configs = [{name: parse_config({"pipeline": f"bench{round_}{name}", "source": {

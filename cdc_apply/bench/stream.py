@@ -9,12 +9,12 @@
 
 from __future__ import annotations
 
-import tempfile
 import time
 from typing import TYPE_CHECKING
 
 import psycopg
 
+from cdc_apply.bench import scratch_directory
 from cdc_apply.bench.e2e import backlog, bench_config, catchup_between_deliveries, delivery_slots, steady_follow
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.config import Config
@@ -58,7 +58,7 @@ def catchup_stream(config: Config, spark: SparkSession) -> tuple[int, float]:
 def bench_stream(seconds: float = 20.0, rate: float = 40.0, sessions: int = 2,
                  spark: SparkSession | None = None) -> dict[str, float]:
     """``spark``: a session to run in (a test's), else a new one."""
-    root = tempfile.mkdtemp(prefix="cdc_apply_bench_stream_")
+    root = scratch_directory("cdc_apply_bench_stream_")
     with PgServer() as server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             create_schema(conn, "bench")

@@ -87,5 +87,7 @@ class ConnectServer:
         # notebook's test for the rest of the suite, a JVM with its Python workers)
         return self if self.running() else self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self.stop()
+        if kind is None:  # the log is kept only to explain a failure
+            self.log.unlink(missing_ok=True)
