@@ -127,14 +127,6 @@ def db18(pg18: PgServer) -> Iterator[tuple[PgServer, str]]:
 TEST_SERVER_CONF = {"spark.driver.extraJavaOptions": "-XX:+UseParallelGC", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
 
 
-# The tests' two shared sessions make their new tables without deletion vectors (copy-on-write):
-# 20 small MERGEs into a 1,000-row table took 1.93 s of JVM CPU each against 2.6-2.8 s with them (12
-# Spark jobs against 19; 2026-12-02). Every job the tests start (CLI verbs, the crash drills,
-# spark-submit, Airflow, the notebook, the Connect clients) keeps cdc_apply's default, deletion
-# vectors on, and the follow drill requires them in its targets: so both layouts are tested.
-SHARED_SESSION_CONF = {"spark.databricks.delta.properties.defaults.enableDeletionVectors": "false"}
-
-
 @contextlib.contextmanager
 def long_lived_jvm() -> Iterator[None]:
     """Around the start of a long-lived JVM of the tests' own (a shared session, a Connect server): not
@@ -159,7 +151,7 @@ def spark():  # type: ignore[no-untyped-def]
         # 2026-11-29). The tests' Connect servers, also long-lived and busy with small MERGEs, run
         # the same way (TEST_SERVER_CONF). The jobs the tests start (CLI verbs, drills, spark-submit)
         # run generated code, as a user's do.
-        session = build_spark_session({**TEST_SERVER_CONF, **SHARED_SESSION_CONF})
+        session = build_spark_session(TEST_SERVER_CONF)
     cpu_budget.shared_jvm_pid = session.sparkContext._gateway.proc.pid
     yield session
     session.stop()

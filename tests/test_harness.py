@@ -8,9 +8,7 @@ import pytest
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import PgOutputDecoder
 from cdc_apply.pgserver import PgServer
-from cdc_apply.spark.session import DEFAULT_SPARK_CONF
 from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
-from tests.conftest import SHARED_SESSION_CONF
 
 
 def test_server_is_configured_for_logical_decoding(any_db) -> None:  # type: ignore[no-untyped-def]
@@ -67,8 +65,5 @@ def test_delta_merge_round_trip(spark, tmp_path) -> None:  # type: ignore[no-unt
     operations = [r.operation for r in target.history().collect()]
     assert operations[0] == "MERGE" and "WRITE" in operations
     properties = {r.key: r.value for r in spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()}
-    # The shared session's own setting (tests/conftest.py); cdc_apply's default is deletion vectors on.
-    assert properties.get("delta.enableDeletionVectors") == SHARED_SESSION_CONF[
-        "spark.databricks.delta.properties.defaults.enableDeletionVectors"] == "false"
-    assert DEFAULT_SPARK_CONF["spark.databricks.delta.properties.defaults.enableDeletionVectors"] == "true"
+    assert properties.get("delta.enableDeletionVectors") == "true"
     assert spark.conf.get("spark.sql.session.timeZone") == "UTC"
