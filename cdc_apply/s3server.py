@@ -69,11 +69,11 @@ class S3Server:
         if not binary.exists():
             raise RuntimeError(f"versitygw is not built at {binary}: run ./dev setup (it needs the Go toolchain)")
         self.port = self.port or free_port()
-        log = open(self.log, "ab")
-        self._process = subprocess.Popen(
-            [str(binary), "--access", self.access_key, "--secret", self.secret_key, "--region", REGION,
-             "--port", f"127.0.0.1:{self.port}", "posix", str(self.root)], stdout=log, stderr=log)
-        wait_until_listening(self._process, self.port, timeout, "versitygw", log.name)
+        with open(self.log, "ab") as log:  # the server's own descriptor stays open; ours need not
+            self._process = subprocess.Popen(
+                [str(binary), "--access", self.access_key, "--secret", self.secret_key, "--region", REGION,
+                 "--port", f"127.0.0.1:{self.port}", "posix", str(self.root)], stdout=log, stderr=log)
+        wait_until_listening(self._process, self.port, timeout, "versitygw", str(self.log))
         return self
 
     def running(self) -> bool:
