@@ -27,10 +27,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
+from cdc_apply.assemble_runs import PLAIN_TAGS, PlainRun, plain_run
 from cdc_apply.errors import AssemblyError, DecodeError
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import ROW_MARKERS, PgOutputDecoder, relation_oid_offset, row_marker_offset
+from cdc_apply.pgoutput.framing import MessageSpans
 from cdc_apply.sources.raw import RawMessage
 # What the assembler yields is in transactions.py; imported from here too, the path before it.
 from cdc_apply.transactions import (  # noqa: F401
@@ -47,6 +51,9 @@ _ROW_TAGS = frozenset(_ROW_MARKERS)
 _OPS = {tag: chr(tag) for tag in _ROW_MARKERS}
 _MARKER_AT = {in_stream: row_marker_offset(in_stream) for in_stream in (False, True)}
 _RELATION_AT = {in_stream: relation_oid_offset(in_stream) for in_stream in (False, True)}
+# A run of plain transactions shorter than this is taken message by message: numpy's fixed cost per
+# call (a few microseconds, some 60 calls a run) outweighs the per-message objects it saves.
+MIN_RUN_MESSAGES = 256
 
 
 @dataclass
@@ -79,9 +86,11 @@ class Assembler:
 
     def __init__(self, *, spill_bytes: int = DEFAULT_SPILL_BYTES, spill_dir: str | Path | None = None,
                  skip_origins: Iterable[str] = (), in_stream: bool = False,
-                 type_facts: TypeFactsLookup | None = None) -> None:
+                 type_facts: TypeFactsLookup | None = None, min_run_messages: int = MIN_RUN_MESSAGES) -> None:
         """``type_facts``: the live source catalog's facts about a type OID a Type message names (JSON,
-        ``pgtypes/user.py``); a capture's row carries them instead (``RawMessage.type_facts``)."""
+        ``pgtypes/user.py``); a capture's row carries them instead (``RawMessage.type_facts``).
+        ``min_run_messages``: the shortest run ``feed_spans`` takes a run at a time."""
+        self.min_run_messages = min_run_messages
         self.decoder = PgOutputDecoder(in_stream)
         self.type_facts = type_facts
         self.relations: dict[int, m.Relation] = {}
@@ -139,6 +148,59 @@ class Assembler:
             if data and data[0] in _ROW_TAGS and row_change(raw):
                 continue  # most messages: one row change, no event
             yield from self.feed(raw)
+
+    def feed_spans(self, spans: MessageSpans, source: str | None = None) -> Iterator[Event]:
+        """Messages received together (a walsender read): runs of plain transactions are taken a
+        run at a time (``assemble_runs.plain_run``), every other message, and a run it declines,
+        message by message. The same events as ``events`` of the same messages, in order."""
+        count = len(spans)
+        if count < self.min_run_messages:
+            yield from self._feed_each(spans, 0, count, source)
+            return
+        buf = np.frombuffer(spans.data, np.uint8)
+        tags = np.where(spans.ends > spans.starts, buf[np.minimum(spans.starts, max(len(buf) - 1, 0))], 0) \
+            if len(buf) else np.zeros(count, np.uint8)
+        run_start = 0
+        for other in [*np.flatnonzero(~PLAIN_TAGS[tags]).tolist(), count]:
+            if other > run_start:
+                yield from self._feed_run(spans, run_start, other, source)
+            if other < count:
+                yield from self.feed(RawMessage(int(spans.lsns[other]), None, spans.message(other), source))
+            run_start = other + 1
+
+    def _feed_run(self, spans: MessageSpans, first: int, stop: int, source: str | None) -> Iterator[Event]:
+        current = self._current
+        run = None
+        if stop - first >= self.min_run_messages and self._stream_xid is None and (current is None or current.kind == "plain"):
+            run = plain_run(spans, first, stop, None if current is None else current.buffer.count, self.relations,
+                            source)
+        if run is None:
+            yield from self._feed_each(spans, first, stop, source)
+        else:
+            yield from self._take_run(run)
+
+    def _feed_each(self, spans: MessageSpans, first: int, stop: int, source: str | None) -> Iterator[Event]:
+        yield from self.events(RawMessage(lsn, None, spans.data[start:end], source) for start, end, lsn in zip(
+            spans.starts[first:stop].tolist(), spans.ends[first:stop].tolist(), spans.lsns[first:stop].tolist(),
+            strict=True))
+
+    def _take_run(self, run: PlainRun) -> list[Event]:
+        events: list[Event] = []
+        if run.leading or run.leading_commit is not None:
+            assert self._current is not None
+            self._current.buffer.extend(run.leading, run.leading_size)
+            if run.leading_commit is not None:
+                txn, self._current = self._current, None
+                events.extend(self._emit(txn.finish(*run.leading_commit)))
+        for begun in run.transactions:
+            txn = self._new_transaction(begun.xid, begun.first_lsn, "plain")
+            txn.buffer.extend(begun.changes, begun.size)
+            if begun.commit is None:
+                self._current = txn
+            else:
+                events.extend(self._emit(txn.finish(*begun.commit)))
+        self.last_lsn = max(self.last_lsn, run.last_lsn)
+        return events
 
     def transactions(self, raws: Iterable[RawMessage]) -> Iterator[Transaction]:
         for event in self.events(raws):

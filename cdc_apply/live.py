@@ -36,14 +36,12 @@ from cdc_apply.failpoints import failpoint
 from cdc_apply.lsn import format_lsn
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
 from cdc_apply.parts import run_parts
-from cdc_apply.pgoutput.framing import Keepalive
 from cdc_apply.pipeline import prepare_source
 from cdc_apply.replication import BatchCut, ReplicationCore
 from cdc_apply.runtime import StopFlag
 from cdc_apply.sink import RunSummary
 from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.health import HealthMonitor
-from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import PgOutputOptions, release_stalled_reader, wait_until_caught_up
 from cdc_apply.sources.exported_snapshot import SnapshotLost
 from cdc_apply.sources.walsender import STALL_INTERVALS, StreamLost, WalSenderStream
@@ -186,23 +184,17 @@ class LiveReplicator:
         """One read of the stream into the core (the number of messages); when idle, the
         keepalive's WAL end may be confirmed."""
         timeout = WRITER_POLL_S if core.writing or core.pending else 1.0
-        idle_end = None
-        reply = False
-        raws = []
-        for frame in stream.read(timeout=timeout):
-            if isinstance(frame, Keepalive):
-                idle_end = frame.wal_end
-                reply = reply or frame.reply_requested
-            else:
-                raws.append(RawMessage(frame.start_lsn, None, frame.payload, "walsender"))
-        if raws:
+        received = stream.read_frames(timeout=timeout)
+        messages = received.messages
+        reply = received.reply_requested
+        if len(messages):
             failpoint("after_receive")
-            self.metrics.received_changes(core.feed(raws))
-        elif idle_end is not None and core.advance_idle(idle_end):
+            self.metrics.received_changes(core.feed_spans(messages, "walsender"))
+        elif received.keepalive_end is not None and core.advance_idle(received.keepalive_end):
             reply = False  # the idle advance sent a status update
         if reply:
             stream.send_status(self.confirmed)
-        return len(raws)
+        return len(messages)
 
     def _confirm(self, stream: WalSenderStream, lsn: int) -> None:
         stream.send_status(lsn)

@@ -46,6 +46,7 @@ from typing import Protocol
 from cdc_apply.assemble import Assembler, TypeFactsLookup
 from cdc_apply.transactions import DEFAULT_SPILL_BYTES, Transaction
 from cdc_apply.failpoints import failpoint
+from cdc_apply.pgoutput.framing import MessageSpans
 from cdc_apply.sources.raw import RawMessage
 
 IDLE_ADVANCE_WAL_SEGMENT = 16 * 1024 * 1024
@@ -103,6 +104,14 @@ class ReplicationCore:
         """Decode and assemble; committed transactions join the pending batch. Returns their changes."""
         received = 0
         for event in self.assembler.events(raws):
+            if isinstance(event, Transaction):
+                received += self._add(event)
+        return received
+
+    def feed_spans(self, spans: MessageSpans, source: str | None = None) -> int:
+        """As ``feed``, for messages received together as spans over one buffer (a walsender read)."""
+        received = 0
+        for event in self.assembler.feed_spans(spans, source):
             if isinstance(event, Transaction):
                 received += self._add(event)
         return received

@@ -202,6 +202,14 @@ class ChangeBuffer:
         if self.memory_bytes > self.spill_bytes:
             self._spill()
 
+    def extend(self, changes: list[Change], size: int) -> None:
+        """``changes`` appended at once, whose messages are ``size`` bytes in all."""
+        self.memory.extend(changes)
+        self.count += len(changes)
+        self.memory_bytes += size + CHANGE_MEMORY_BYTES * len(changes)
+        if self.memory_bytes > self.spill_bytes:
+            self._spill()
+
     def _spill(self) -> None:
         if self.spill_file is None:
             self.spill_file = tempfile.TemporaryFile(prefix="cdc_apply_spill_", dir=self.spill_dir)

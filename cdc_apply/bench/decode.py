@@ -2,7 +2,10 @@
 
 Workload: a 7-column table, 100-row transactions cycling insert, insert, update, delete, until
 about ``messages`` pgoutput messages exist. The walsender run receives them all (timed: the
-delivery rate); the decode run turns exactly those bytes into typed change rows and Arrow (timed).
+delivery rate), keeping each read's frames as the connection returned them; the decode run turns
+exactly those frames into transactions, read by read as ``run --follow`` does (timed), both the
+read-at-a-time way (``Assembler.feed_spans``, the live path) and message by message (a frame
+object and a ``RawMessage`` each, the path before it), then into typed change rows and Arrow.
 Run in the ``cdc-apply`` process, so with its garbage-collector setting (``runtime.tune_gc``).
 """
 
@@ -15,15 +18,15 @@ import psycopg
 
 from cdc_apply.assemble import Assembler
 from cdc_apply.changerows.segments import ChangeRowBuilder
-from cdc_apply.config import BatchingConfig
-from cdc_apply.pgoutput.framing import XLogData
+from cdc_apply.transactions import Transaction
+from cdc_apply.pgoutput.framing import XLogData, decode_copy_data, split_frames
 from cdc_apply.pgserver import PgServer
 from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import PgOutputOptions, create_slot
 from cdc_apply.sources.walsender import WalSenderStream
 
 ROWS_PER_TRANSACTION = 100
-BATCH_MESSAGES = BatchingConfig().max_changes  # the live pipeline's default batch
+BACKLOG_READ = 10_000  # WalSenderStream.read's max_frames
 
 WORKLOAD = """
 CREATE TABLE bench (id bigint PRIMARY KEY, account int NOT NULL, amount numeric(12,2), note text,
@@ -54,22 +57,26 @@ def bench_decode(messages: int = 500_000, binary: bool = False, rounds: int = 3)
     transactions = max(4, messages // (ROWS_PER_TRANSACTION + 2))
     options = PgOutputOptions(("bench_pub",), proto_version=1, binary=binary)
     timings: dict[str, list[float]] = {stage: [] for stage in STAGES}
+    reads: list[list[memoryview]] = []
     with PgServer() as server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             conn.execute(WORKLOAD)
             create_slot(conn, "bench")
             print(f"generating {transactions} transactions of {ROWS_PER_TRANSACTION} rows ...", flush=True)
             conn.execute("CALL bench_load(%s)", (transactions,))
-        raws: list[RawMessage] = []
         for _ in range(rounds):
             # The slot is never confirmed, so every round streams the same bytes from its start.
-            seconds, raws = _delivery(server.dsn, options, transactions)
+            seconds, frames = _delivery(server.dsn, options, transactions)
+            # Decoded in reads of up to max_frames, as a run --follow that is behind reads them
+            # (keeping pace with the walsender here, the delivery's own reads hold one or two frames).
+            reads = [frames[i:i + BACKLOG_READ] for i in range(0, len(frames), BACKLOG_READ)]
             timings["delivery"].append(seconds)
             if len(timings["delivery"]) == 1:
-                _warm_up(raws[:2000])
-            for stage, seconds in _decode(raws).items():
+                _warm_up(reads[:1])
+            for stage, seconds in _decode(reads).items():
                 timings[stage].append(seconds)
 
+    raws = [raw for read in reads for raw in _message_by_message(read)]
     total_bytes = sum(len(r.data) for r in raws)
     median = {stage: statistics.median(values) for stage, values in timings.items()}
     result: dict[str, float] = {"messages": len(raws), "megabytes": total_bytes / 1e6, "rounds": rounds}
@@ -79,43 +86,63 @@ def bench_decode(messages: int = 500_000, binary: bool = False, rounds: int = 3)
     for stage in STAGES[1:]:
         result[f"ratio_{stage}_to_delivery"] = median["delivery"] / median[stage]
     mode = "binary" if binary else "text"
-    print(f"bench decode ({mode} mode): {len(raws):,} messages, {total_bytes / 1e6:.1f} MB; "
-          f"median of {rounds} rounds, batches of {BATCH_MESSAGES:,} messages")
-    print(f"  {'walsender delivery':<34} {result['delivery_msg_per_s']:>10,.0f} msg/s  ({median['delivery']:.2f} s)")
-    for stage, label in zip(STAGES[1:], ("decode + assemble", "... + change rows as Arrow",
-                                          "... + rows as Python values"), strict=True):
-        print(f"  {label:<34} {result[f'{stage}_msg_per_s']:>10,.0f} msg/s  ({median[stage]:.2f} s)  "
+    print(f"bench decode ({mode} mode): {len(raws):,} messages, {total_bytes / 1e6:.1f} MB in {len(reads):,} reads; "
+          f"median of {rounds} rounds, each stage from the frames as received")
+    print(f"  {'walsender delivery':<46} {result['delivery_msg_per_s']:>10,.0f} msg/s  ({median['delivery']:.2f} s)")
+    for stage, label in zip(STAGES[1:], STAGE_LABELS, strict=True):
+        print(f"  {label:<46} {result[f'{stage}_msg_per_s']:>10,.0f} msg/s  ({median[stage]:.2f} s)  "
               f"ratio {result[f'ratio_{stage}_to_delivery']:.2f}x")
+    per_change = 1e6 / sum(1 for r in raws if r.data[:1] in (b"I", b"U", b"D"))
+    print(f"  per change: assembly {median['decode_assemble'] * per_change:.2f} us read at a time, "
+          f"{median['message_by_message'] * per_change:.2f} us message by message "
+          f"({median['message_by_message'] / median['decode_assemble']:.2f}x)")
     return result
 
 
-STAGES = ("delivery", "decode_assemble", "change_rows", "python_rows")
+STAGES = ("delivery", "message_by_message", "decode_assemble", "change_rows", "python_rows")
+STAGE_LABELS = ("decode + assemble, message by message (before)", "decode + assemble", "... + change rows as Arrow",
+                "... + rows as Python values")
 
 
-def _delivery(dsn: str, options: PgOutputOptions, transactions: int) -> tuple[float, list[RawMessage]]:
-    """The walsender streams the whole workload to us; we only frame it."""
+def _delivery(dsn: str, options: PgOutputOptions, transactions: int) -> tuple[float, list[memoryview]]:
+    """The walsender streams the whole workload to us; we keep the frames as received."""
     stream = WalSenderStream(dsn, "bench", options)
-    raws: list[RawMessage] = []
+    frames: list[memoryview] = []
     commits = 0
     started = time.perf_counter()
     stream.start()
     while commits < transactions:
-        for frame in stream.read(timeout=5.0):
-            if isinstance(frame, XLogData):
-                raws.append(RawMessage(frame.start_lsn, None, frame.payload))
-                commits += frame.payload[:1] == b"C"
+        read = stream.read_raw(timeout=5.0)
+        frames += read
+        commits += sum(frame[_XLOG_HEADER] == _COMMIT for frame in read if len(frame) > _XLOG_HEADER)
     seconds = time.perf_counter() - started
     stream.close()
-    return seconds, raws
+    return seconds, frames
 
 
-def _decode(raws: list[RawMessage]) -> dict[str, float]:
-    batches = [raws[i:i + BATCH_MESSAGES] for i in range(0, len(raws), BATCH_MESSAGES)]
-    # Decode + assemble (row images left as bytes), batch by batch as the live pipeline cuts them.
+_XLOG_HEADER = 25  # 'w', start LSN, WAL end, send time: the message follows
+_COMMIT = ord("C")
+
+
+def _message_by_message(frames: list[memoryview]) -> list[RawMessage]:
+    """A read's messages as the driver took them before the read-at-a-time path: a frame object and
+    a ``RawMessage`` each."""
+    return [RawMessage(frame.start_lsn, None, frame.payload, "walsender")
+            for frame in map(decode_copy_data, frames) if type(frame) is XLogData]
+
+
+def _decode(reads: list[list[memoryview]]) -> dict[str, float]:
+    # Decode + assemble (row images left as bytes), read by read as the live pipeline takes them.
     assembler = Assembler()
     started = time.perf_counter()
-    transactions = [list(assembler.transactions(batch)) for batch in batches]
+    before = [list(assembler.transactions(_message_by_message(read))) for read in reads]
+    message_seconds = time.perf_counter() - started
+    assembler = Assembler()
+    started = time.perf_counter()
+    transactions = [[e for e in assembler.feed_spans(split_frames(read).messages, "walsender")
+                     if isinstance(e, Transaction)] for read in reads]
     assemble_seconds = time.perf_counter() - started
+    assert [len(t.changes) for batch in before for t in batch] == [len(t.changes) for batch in transactions for t in batch]
     # ... + change rows as Arrow, as the Spark data source hands them over.
     builder = ChangeRowBuilder()
     started = time.perf_counter()
@@ -126,11 +153,12 @@ def _decode(raws: list[RawMessage]) -> dict[str, float]:
     python_rows = sum(len(segment.rows) for batch in transactions for segment in builder.build(batch))
     python_seconds = time.perf_counter() - started
     assert python_rows == rows == sum(len(t.changes) for batch in transactions for t in batch)
-    return {"decode_assemble": assemble_seconds, "change_rows": assemble_seconds + arrow_seconds,
-            "python_rows": assemble_seconds + python_seconds}
+    return {"message_by_message": message_seconds, "decode_assemble": assemble_seconds,
+            "change_rows": assemble_seconds + arrow_seconds, "python_rows": assemble_seconds + python_seconds}
 
 
-def _warm_up(raws: list[RawMessage]) -> None:
+def _warm_up(reads: list[list[memoryview]]) -> None:
     """Arrow's compute kernels load on first use (about 0.3 s once per process): not per batch."""
-    for segment in ChangeRowBuilder().build(Assembler().transactions(raws)):
-        segment.to_arrow()
+    for read in reads:
+        for segment in ChangeRowBuilder().build(Assembler().transactions(_message_by_message(read))):
+            segment.to_arrow()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from cdc_apply.errors import DecodeError
 
@@ -48,6 +51,65 @@ def decode_copy_data(frame: bytes | memoryview) -> XLogData | Keepalive:
         _, end, sent, reply = _KEEPALIVE.unpack(frame)
         return Keepalive(end, sent, bool(reply))
     raise DecodeError(f"unknown replication frame type {kind:#04x}", tag=chr(kind), offset=0)
+
+
+@dataclass(slots=True)
+class MessageSpans:
+    """Messages received together, as spans over one buffer: no object per message. Message ``i``
+    is ``data[starts[i]:ends[i]]``, at WAL position ``lsns[i]`` (starts and ends int64, LSNs uint64)."""
+
+    data: bytes
+    starts: np.ndarray
+    ends: np.ndarray
+    lsns: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def message(self, i: int) -> bytes:
+        return self.data[self.starts[i]:self.ends[i]]
+
+
+@dataclass(slots=True)
+class ReceivedFrames:
+    """One read's CopyData frames: the XLogData messages as spans over the joined frames, and what
+    the keepalives among them said."""
+
+    messages: MessageSpans
+    wal_end: int  # the highest position seen: an XLogData's start or a keepalive's WAL end (0: none)
+    keepalive_end: int | None  # the last keepalive's WAL end
+    reply_requested: bool  # a keepalive asked for a reply
+
+
+def split_frames(frames: Sequence[bytes | memoryview]) -> ReceivedFrames:
+    """The frames of one read, joined once and split by numpy (``decode_copy_data`` frame by frame
+    gives the same, one object per frame). A frame that is not well formed raises the error
+    ``decode_copy_data`` gives it."""
+    count = len(frames)
+    lengths = np.fromiter(map(len, frames), np.int64, count)
+    starts = np.zeros(count, np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    data = b"".join(frames)
+    buf = np.frombuffer(data, np.uint8)
+    kinds = buf[np.minimum(starts, max(len(buf) - 1, 0))] if len(buf) else np.zeros(count, np.uint8)
+    xlog = (kinds == _W) & (lengths >= _XLOG_HEADER.size)
+    keepalive = (kinds == _K) & (lengths == _KEEPALIVE.size)
+    if not (xlog | keepalive).all():
+        decode_copy_data(frames[int(np.argmin(xlog | keepalive))])  # raises the frame's error
+    positions = uint64_at(buf, starts + 1)  # XLogData's start LSN, a keepalive's WAL end
+    xlog_starts = starts[xlog]
+    messages = MessageSpans(data, xlog_starts + _XLOG_HEADER.size, xlog_starts + lengths[xlog], positions[xlog])
+    keepalive_ends = positions[keepalive]
+    return ReceivedFrames(messages, int(positions.max()) if count else 0,
+                          int(keepalive_ends[-1]) if len(keepalive_ends) else None,
+                          bool(buf[starts[keepalive] + _KEEPALIVE.size - 1].any()) if len(keepalive_ends) else False)
+
+
+def uint64_at(buf: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Big-endian unsigned 64-bit ints at ``positions`` (in bounds), exact past 2^63 too."""
+    if not len(positions):
+        return np.zeros(0, np.uint64)
+    return buf[positions[:, None] + np.arange(8)].view(">u8").reshape(-1).astype(np.uint64)
 
 
 def encode_standby_status(written: int, flushed: int, applied: int, client_time: int,

@@ -21,7 +21,9 @@ from psycopg import pq
 
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import datetime_to_pg_us, format_lsn
-from cdc_apply.pgoutput.framing import Keepalive, XLogData, decode_copy_data, encode_standby_status
+from cdc_apply.pgoutput.framing import (
+    Keepalive, ReceivedFrames, XLogData, decode_copy_data, encode_standby_status, split_frames,
+)
 from cdc_apply.sources.slot import PgOutputOptions
 
 Frame = XLogData | Keepalive
@@ -94,14 +96,29 @@ class WalSenderStream:
 
     def read(self, timeout: float, max_frames: int = 10_000) -> list[Frame]:
         """The frames that arrive within ``timeout`` seconds (returns as soon as some are in)."""
+        frames = [decode_copy_data(data) for data in self.read_raw(timeout, max_frames)]
+        if frames:
+            self.received_lsn = max(self.received_lsn, max(frame.wal_end if type(frame) is Keepalive
+                                                           else frame.start_lsn for frame in frames))
+        return frames
+
+    def read_frames(self, timeout: float, max_frames: int = 10_000) -> ReceivedFrames:
+        """As ``read``, the frames kept as one buffer (``split_frames``): no object per frame."""
+        received = split_frames(self.read_raw(timeout, max_frames))
+        self.received_lsn = max(self.received_lsn, received.wal_end)
+        return received
+
+    def read_raw(self, timeout: float, max_frames: int = 10_000) -> list[memoryview]:
+        """The CopyData frames as the connection returns them: each is its own buffer, valid after
+        the next call."""
         pgconn = self.conn.pgconn
-        frames: list[Frame] = []
+        frames: list[memoryview] = []
         deadline = time.monotonic() + timeout
         try:
             while len(frames) < max_frames:
                 size, data = pgconn.get_copy_data(1)
                 if size > 0:
-                    frames.append(decode_copy_data(data))  # the payload is copied out of libpq's buffer
+                    frames.append(data)
                     continue
                 if size == -1:
                     raise StreamLost(f"the server ended the replication stream of slot {self.slot}")
@@ -121,8 +138,6 @@ class WalSenderStream:
             raise StreamLost(f"replication connection lost: {exc}") from None
         if frames:  # once per read, not per frame: a read holds up to max_frames
             self.last_heard_at = time.monotonic()
-            self.received_lsn = max(self.received_lsn, max(frame.wal_end if type(frame) is Keepalive
-                                                           else frame.start_lsn for frame in frames))
         return frames
 
     def _raise_if_stalled(self) -> None:
