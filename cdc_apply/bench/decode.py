@@ -56,7 +56,7 @@ def bench_decode(messages: int = 500_000, binary: bool = False, rounds: int = 3)
     """Each stage is timed ``rounds`` times, alternating, and the medians are compared."""
     transactions = max(4, messages // (ROWS_PER_TRANSACTION + 2))
     options = PgOutputOptions(("bench_pub",), proto_version=1, binary=binary)
-    timings: dict[str, list[float]] = {stage: [] for stage in STAGES}
+    timings: dict[str, list[float]] = {stage: [] for stage in (*STAGES, "split")}
     reads: list[list[memoryview]] = []
     with PgServer() as server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
@@ -95,7 +95,8 @@ def bench_decode(messages: int = 500_000, binary: bool = False, rounds: int = 3)
     per_change = 1e6 / sum(1 for r in raws if r.data[:1] in (b"I", b"U", b"D"))
     print(f"  per change: assembly {median['decode_assemble'] * per_change:.2f} us read at a time, "
           f"{median['message_by_message'] * per_change:.2f} us message by message "
-          f"({median['message_by_message'] / median['decode_assemble']:.2f}x)")
+          f"({median['message_by_message'] / median['decode_assemble']:.2f}x); of it, the frames split "
+          f"{median['split'] * per_change:.2f} us")
     return result
 
 
@@ -137,11 +138,13 @@ def _decode(reads: list[list[memoryview]]) -> dict[str, float]:
     started = time.perf_counter()
     before = [list(assembler.transactions(_message_by_message(read))) for read in reads]
     message_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    spans = [split_frames(read).messages for read in reads]
+    split_seconds = time.perf_counter() - started
     assembler = Assembler()
     started = time.perf_counter()
-    transactions = [[e for e in assembler.feed_spans(split_frames(read).messages, "walsender")
-                     if isinstance(e, Transaction)] for read in reads]
-    assemble_seconds = time.perf_counter() - started
+    transactions = [[e for e in assembler.feed_spans(read, "walsender") if isinstance(e, Transaction)] for read in spans]
+    assemble_seconds = split_seconds + time.perf_counter() - started
     assert [len(t.changes) for batch in before for t in batch] == [len(t.changes) for batch in transactions for t in batch]
     # ... + change rows as Arrow, as the Spark data source hands them over.
     builder = ChangeRowBuilder()
@@ -153,7 +156,7 @@ def _decode(reads: list[list[memoryview]]) -> dict[str, float]:
     python_rows = sum(len(segment.rows) for batch in transactions for segment in builder.build(batch))
     python_seconds = time.perf_counter() - started
     assert python_rows == rows == sum(len(t.changes) for batch in transactions for t in batch)
-    return {"message_by_message": message_seconds, "decode_assemble": assemble_seconds,
+    return {"message_by_message": message_seconds, "split": split_seconds, "decode_assemble": assemble_seconds,
             "change_rows": assemble_seconds + arrow_seconds, "python_rows": assemble_seconds + python_seconds}
 
 
