@@ -53,7 +53,7 @@ _MARKER_AT = {in_stream: row_marker_offset(in_stream) for in_stream in (False, T
 _RELATION_AT = {in_stream: relation_oid_offset(in_stream) for in_stream in (False, True)}
 # A run of plain transactions shorter than this is taken message by message: numpy's fixed cost per
 # call (a few microseconds, some 60 calls a run) outweighs the per-message objects it saves.
-MIN_RUN_MESSAGES = 256
+MIN_RUN_MESSAGES = 512
 
 
 @dataclass

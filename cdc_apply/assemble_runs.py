@@ -95,28 +95,24 @@ def plain_run(spans: MessageSpans, first: int, stop: int, open_changes: int | No
                        strict=True))
     xids = read_uint(buf, begin_at + 17, 4).tolist()
 
-    data = spans.data
-    relation_of = [in_force[i] for i in np.searchsorted(known, oids).tolist()]
-    row_lsns = lsns[is_row].tolist()
-    wires = [data[start:end] for start, end in zip(row_starts.tolist(), ends[is_row].tolist(), strict=True)]
-    ops = [_OP_NAMES[tag] for tag in tags[is_row].tolist()]
-    row_sizes = lengths[is_row]
     # Where each transaction's rows are among the run's rows: the rows before a message position.
     rows_before = np.cumsum(is_row) - is_row
     begin_rows, commit_rows = rows_before[is_begin].tolist(), rows_before[is_commit].tolist()
-    size_before = np.concatenate(([0], np.cumsum(row_sizes))).tolist()
+    size_before = np.concatenate(([0], np.cumsum(lengths[is_row]))).tolist()
+    # Each row's seq: its place in its transaction (after the open transaction's changes, for its rows).
+    transaction_of_row = np.cumsum(is_begin)[is_row]
+    first_seq = np.concatenate(([-(open_changes or 0)], rows_before[is_begin]))
+    seqs = np.arange(len(row_starts)) - first_seq[transaction_of_row]
+    data = spans.data
+    every_change = [Change(seq, _OP_NAMES[tag], in_force[relation], None, None, None, 0, None, lsn, data[start:end],
+                           False, source)
+                    for seq, tag, relation, lsn, start, end in zip(
+                        seqs.tolist(), tags[is_row].tolist(), np.searchsorted(known, oids).tolist(),
+                        lsns[is_row].tolist(), row_starts.tolist(), ends[is_row].tolist(), strict=True)]
 
-    def changes(first_row: int, last_row: int, first_seq: int) -> list[Change]:
-        return [Change(seq, op, relation, None, None, None, 0, None, lsn, wire, False, source)
-                for seq, op, relation, lsn, wire in zip(
-                    range(first_seq, first_seq + last_row - first_row), ops[first_row:last_row],
-                    relation_of[first_row:last_row], row_lsns[first_row:last_row], wires[first_row:last_row],
-                    strict=True)]
-
-    row_count = len(wires)
+    row_count = len(every_change)
     leading_end = commit_rows[0] if open_changes is not None and commit_rows else \
         (row_count if open_changes is not None else 0)
-    leading = changes(0, leading_end, open_changes or 0)
     leading_commit = commits[0] if open_changes is not None and commit_rows else None
     own_commits = commits[1:] if leading_commit is not None else commits
     own_commit_rows = commit_rows[1:] if leading_commit is not None else commit_rows
@@ -125,7 +121,8 @@ def plain_run(spans: MessageSpans, first: int, stop: int, open_changes: int | No
     for index, (xid, first_row) in enumerate(zip(xids, begin_rows, strict=True)):
         committed = index < len(own_commits)
         last_row = own_commit_rows[index] if committed else row_count
-        transactions.append(RunTransaction(xid, begin_lsns[index], changes(first_row, last_row, 0),
+        transactions.append(RunTransaction(xid, begin_lsns[index], every_change[first_row:last_row],
                                            size_before[last_row] - size_before[first_row],
                                            own_commits[index] if committed else None))
+    leading = every_change[:leading_end]
     return PlainRun(leading, size_before[leading_end], leading_commit, transactions, int(lsns.max()))

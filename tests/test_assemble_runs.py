@@ -169,7 +169,7 @@ def test_mutated_streams_give_the_same_events_or_the_same_error(data: st.DataObj
     for _ in range(data.draw(st.integers(1, 3))):
         what = data.draw(st.integers(0, 3))
         at = data.draw(st.integers(0, len(messages) - 1))
-        if what == 0:  # a byte changed
+        if what == 0 and messages[at]:  # a byte changed
             message = bytearray(messages[at])
             message[data.draw(st.integers(0, len(message) - 1))] = data.draw(st.integers(0, 255))
             messages[at] = bytes(message)
@@ -177,7 +177,7 @@ def test_mutated_streams_give_the_same_events_or_the_same_error(data: st.DataObj
             del messages[at]
         elif what == 2:  # a message sent twice
             messages.insert(at, messages[at])
-        else:  # a message cut short
+        elif what == 3:  # a message cut short
             messages[at] = messages[at][:data.draw(st.integers(0, len(messages[at])))]
         if not messages:
             return
