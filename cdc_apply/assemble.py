@@ -165,7 +165,7 @@ class Assembler:
             if other > run_start:
                 yield from self._feed_run(spans, run_start, other, source)
             if other < count:
-                yield from self.feed(RawMessage(int(spans.lsns[other]), None, spans.message(other), source))
+                yield from self._feed_each(spans, other, other + 1, source)
             run_start = other + 1
 
     def _feed_run(self, spans: MessageSpans, first: int, stop: int, source: str | None) -> Iterator[Event]:

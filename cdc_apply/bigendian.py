@@ -13,3 +13,10 @@ def read_uint(buf: np.ndarray, positions: np.ndarray, width: int) -> np.ndarray:
     for offset in range(width):
         value = (value << 8) | buf[safe + offset].astype(np.int64)
     return value
+
+
+def uint64_at(buf: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Big-endian unsigned 64-bit ints at ``positions`` (in bounds), exact past 2^63 too."""
+    if not len(positions):
+        return np.zeros(0, np.uint64)
+    return buf[positions[:, None] + np.arange(8)].view(">u8").reshape(-1).astype(np.uint64)

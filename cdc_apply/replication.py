@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cdc_apply.assemble import Assembler, TypeFactsLookup
-from cdc_apply.transactions import DEFAULT_SPILL_BYTES, Transaction
+from cdc_apply.transactions import DEFAULT_SPILL_BYTES, Event, Transaction
 from cdc_apply.failpoints import failpoint
 from cdc_apply.pgoutput.framing import MessageSpans
 from cdc_apply.sources.raw import RawMessage
@@ -102,16 +102,15 @@ class ReplicationCore:
 
     def feed(self, raws: Iterable[RawMessage]) -> int:
         """Decode and assemble; committed transactions join the pending batch. Returns their changes."""
-        received = 0
-        for event in self.assembler.events(raws):
-            if isinstance(event, Transaction):
-                received += self._add(event)
-        return received
+        return self._add_committed(self.assembler.events(raws))
 
     def feed_spans(self, spans: MessageSpans, source: str | None = None) -> int:
         """As ``feed``, for messages received together as spans over one buffer (a walsender read)."""
+        return self._add_committed(self.assembler.feed_spans(spans, source))
+
+    def _add_committed(self, events: Iterable[Event]) -> int:
         received = 0
-        for event in self.assembler.feed_spans(spans, source):
+        for event in events:
             if isinstance(event, Transaction):
                 received += self._add(event)
         return received

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cdc_apply.bigendian import uint64_at
 from cdc_apply.errors import DecodeError
 
 _XLOG_HEADER = struct.Struct("!cQQq")  # 'w', start LSN, server WAL end, send time
@@ -103,13 +104,6 @@ def split_frames(frames: Sequence[bytes | memoryview]) -> ReceivedFrames:
     return ReceivedFrames(messages, int(positions.max()) if count else 0,
                           int(keepalive_ends[-1]) if len(keepalive_ends) else None,
                           bool(buf[starts[keepalive] + _KEEPALIVE.size - 1].any()) if len(keepalive_ends) else False)
-
-
-def uint64_at(buf: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Big-endian unsigned 64-bit ints at ``positions`` (in bounds), exact past 2^63 too."""
-    if not len(positions):
-        return np.zeros(0, np.uint64)
-    return buf[positions[:, None] + np.arange(8)].view(">u8").reshape(-1).astype(np.uint64)
 
 
 def encode_standby_status(written: int, flushed: int, applied: int, client_time: int,
