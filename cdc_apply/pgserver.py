@@ -92,19 +92,25 @@ def wait_until_listening(process: subprocess.Popen[bytes], port: int, timeout: f
             time.sleep(0.05)
 
 
-def _service_user() -> pwd.struct_passwd | None:
-    """The user the server runs as: None (ourselves) unless we are root."""
+def _service_user(name: str = SERVICE_USER) -> pwd.struct_passwd | None:
+    """The user the server runs as: None (ourselves) unless we are root. Created on first use; several
+    processes may ask at once on a new machine (the test workers' first servers), so a ``useradd`` that
+    fails because another one created the user first, or held the user database's lock, is not an error."""
     if os.geteuid() != 0:
         return None
-    try:
-        return pwd.getpwnam(SERVICE_USER)
-    except KeyError:
-        subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", SERVICE_USER],
-            check=True,
-            capture_output=True,
-        )
-        return pwd.getpwnam(SERVICE_USER)
+    failure = ""
+    for _ in range(50):
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            pass
+        created = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                                 capture_output=True, text=True)
+        if created.returncode == 0:
+            return pwd.getpwnam(name)
+        failure = created.stderr.strip()
+        time.sleep(0.1)
+    raise RuntimeError(f"could not create the user {name} that PostgreSQL runs as: {failure}")
 
 
 def remove_shared_memory_segment(postmaster_pid_lines: list[str]) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import threading
+
 import psycopg
 import pytest
 
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import PgOutputDecoder
-from cdc_apply.pgserver import PgServer
+from cdc_apply.pgserver import PgServer, _service_user
 from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
 
 
@@ -67,3 +71,32 @@ def test_delta_merge_round_trip(spark, tmp_path) -> None:  # type: ignore[no-unt
     properties = {r.key: r.value for r in spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()}
     assert properties.get("delta.enableDeletionVectors") == "true"
     assert spark.conf.get("spark.sql.session.timeZone") == "UTC"
+
+
+def test_several_processes_creating_the_servers_user_at_once_all_get_it() -> None:
+    # On a new machine the two test workers' first servers ask for the user at the same moment: the
+    # useradd that comes second used to fail (the user exists, or the user database is locked), and
+    # then every PostgreSQL test of that worker errored at setup.
+    name = f"cdcrace{os.getpid() % 100000}"
+    if os.geteuid() != 0:
+        assert _service_user(name) is None  # not root: the server runs as ourselves
+        return
+    start = threading.Barrier(6)
+    found: list[object] = []
+
+    def ask() -> None:
+        start.wait()
+        try:
+            found.append(_service_user(name))
+        except Exception as exc:  # noqa: BLE001 - the test reports what each asker got
+            found.append(exc)
+
+    askers = [threading.Thread(target=ask) for _ in range(6)]
+    try:
+        for asker in askers:
+            asker.start()
+        for asker in askers:
+            asker.join()
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+    assert [getattr(user, "pw_name", user) for user in found] == [name] * 6
