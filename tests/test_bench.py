@@ -34,6 +34,12 @@ def test_bench_decode_reports_its_ratio_to_walsender_delivery() -> None:
     assert per_change, run.stdout[-3000:]
     read_at_a_time, by_message, _, split = map(float, per_change.groups())
     assert read_at_a_time > split > 0 and by_message > 0
+    stages = re.search(r"per change, stage by stage: receive \(the loop's CPU\) ([0-9.]+) us, split ([0-9.]+) us, "
+                       r"decode \+ assemble ([0-9.]+) us, the targets' change rows ([0-9.]+) us, "
+                       r"the log's rows ([0-9.]+) us", run.stdout)
+    assert stages, run.stdout[-3000:]
+    assert all(float(value) > 0 for value in stages.groups())
+    assert float(stages.group(2)) == split
 
 
 @pytest.mark.spark

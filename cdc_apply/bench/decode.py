@@ -24,6 +24,7 @@ from cdc_apply.pgserver import PgServer
 from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import PgOutputOptions, create_slot
 from cdc_apply.sources.walsender import WalSenderStream
+from cdc_apply.spark.rows import record_batches
 
 ROWS_PER_TRANSACTION = 100
 BACKLOG_READ = 10_000  # WalSenderStream.read's max_frames
@@ -56,7 +57,7 @@ def bench_decode(messages: int = 500_000, binary: bool = False, rounds: int = 3)
     """Each stage is timed ``rounds`` times, alternating, and the medians are compared."""
     transactions = max(4, messages // (ROWS_PER_TRANSACTION + 2))
     options = PgOutputOptions(("bench_pub",), proto_version=1, binary=binary)
-    timings: dict[str, list[float]] = {stage: [] for stage in (*STAGES, "split")}
+    timings: dict[str, list[float]] = {stage: [] for stage in (*STAGES, "split", "receive_cpu", "log_rows")}
     reads: list[list[memoryview]] = []
     with PgServer() as server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
@@ -66,7 +67,8 @@ def bench_decode(messages: int = 500_000, binary: bool = False, rounds: int = 3)
             conn.execute("CALL bench_load(%s)", (transactions,))
         for _ in range(rounds):
             # The slot is never confirmed, so every round streams the same bytes from its start.
-            seconds, frames = _delivery(server.dsn, options, transactions)
+            seconds, receive_cpu, frames = _delivery(server.dsn, options, transactions)
+            timings["receive_cpu"].append(receive_cpu)
             # Decoded in reads of up to max_frames, as a run --follow that is behind reads them
             # (keeping pace with the walsender here, the delivery's own reads hold one or two frames).
             reads = [frames[i:i + BACKLOG_READ] for i in range(0, len(frames), BACKLOG_READ)]
@@ -97,6 +99,13 @@ def bench_decode(messages: int = 500_000, binary: bool = False, rounds: int = 3)
           f"{median['message_by_message'] * per_change:.2f} us message by message "
           f"({median['message_by_message'] / median['decode_assemble']:.2f}x); of it, the frames split "
           f"{median['split'] * per_change:.2f} us")
+    stage_line = {"receive (the loop's CPU)": median["receive_cpu"], "split": median["split"],
+                  "decode + assemble": median["decode_assemble"] - median["split"],
+                  "the targets' change rows": median["change_rows"] - median["decode_assemble"],
+                  "the log's rows": median["log_rows"]}
+    print("  per change, stage by stage: " + ", ".join(f"{stage} {seconds * per_change:.2f} us"
+                                                        for stage, seconds in stage_line.items()))
+    result.update({f"us_per_change_{stage}": median[stage] * per_change for stage in ("receive_cpu", "log_rows")})
     return result
 
 
@@ -105,20 +114,21 @@ STAGE_LABELS = ("decode + assemble, message by message (before)", "decode + asse
                 "... + rows as Python values")
 
 
-def _delivery(dsn: str, options: PgOutputOptions, transactions: int) -> tuple[float, list[memoryview]]:
-    """The walsender streams the whole workload to us; we keep the frames as received."""
+def _delivery(dsn: str, options: PgOutputOptions, transactions: int) -> tuple[float, float, list[memoryview]]:
+    """The walsender streams the whole workload to us; we keep the frames as received. The seconds it
+    took, and the CPU seconds of this thread meanwhile: what receiving costs the driver."""
     stream = WalSenderStream(dsn, "bench", options)
     frames: list[memoryview] = []
     commits = 0
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.thread_time()
     stream.start()
     while commits < transactions:
         read = stream.read_raw(timeout=5.0)
         frames += read
         commits += sum(frame[_XLOG_HEADER] == _COMMIT for frame in read if len(frame) > _XLOG_HEADER)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
     stream.close()
-    return seconds, frames
+    return seconds, cpu, frames
 
 
 _XLOG_HEADER = 25  # 'w', start LSN, WAL end, send time: the message follows
@@ -155,9 +165,15 @@ def _decode(reads: list[list[memoryview]]) -> dict[str, float]:
     started = time.perf_counter()
     python_rows = sum(len(segment.rows) for batch in transactions for segment in builder.build(batch))
     python_seconds = time.perf_counter() - started
-    assert python_rows == rows == sum(len(t.changes) for batch in transactions for t in batch)
+    # The change log's rows (what `confirm_after: changelog` writes), from the same transactions.
+    builder = ChangeRowBuilder()
+    started = time.perf_counter()
+    log_rows = sum(batch.num_rows for read in transactions for batch in record_batches(read, builder))
+    log_seconds = time.perf_counter() - started
+    assert python_rows == rows == log_rows == sum(len(t.changes) for batch in transactions for t in batch)
     return {"message_by_message": message_seconds, "split": split_seconds, "decode_assemble": assemble_seconds,
-            "change_rows": assemble_seconds + arrow_seconds, "python_rows": assemble_seconds + python_seconds}
+            "change_rows": assemble_seconds + arrow_seconds, "python_rows": assemble_seconds + python_seconds,
+            "log_rows": log_seconds}
 
 
 def _warm_up(reads: list[list[memoryview]]) -> None:
