@@ -364,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("benchmark", choices=["decode", "apply", "e2e", "stream", "soak", "memory", "failover", "snapshot", "crash", "restart"], help="which benchmark")
     bench.add_argument("--messages", type=int, default=500_000, help="decode: messages to generate")
     bench.add_argument("--binary", action="store_true", help="decode: capture with binary=true")
+    bench.add_argument("--load", action="store_true",
+                       help="decode: the e2e load's small transactions over four tables instead of 100-row ones")
     bench.add_argument("--rounds", type=int, default=3, help="decode: timed rounds per stage (medians compared); failover: failovers in a row; "
                             "restart: restarts")
     bench.add_argument("--rows", type=int, default=None,

@@ -40,6 +40,11 @@ def test_bench_decode_reports_its_ratio_to_walsender_delivery() -> None:
     assert stages, run.stdout[-3000:]
     assert all(float(value) > 0 for value in stages.groups())
     assert float(stages.group(2)) == split
+    # The e2e load's shape: small transactions over four tables.
+    loaded = _cli("bench", "decode", "--load", "--messages", "3000", "--rounds", "1")
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert "(text mode, the e2e load)" in loaded.stdout and "per change, stage by stage: receive" in loaded.stdout, \
+        loaded.stdout[-3000:]
 
 
 @pytest.mark.spark

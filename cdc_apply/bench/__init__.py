@@ -23,7 +23,7 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     if name == "decode":
         from cdc_apply.bench.decode import bench_decode
 
-        bench_decode(messages=args.messages, binary=args.binary, rounds=args.rounds)
+        bench_decode(messages=args.messages, binary=args.binary, rounds=args.rounds, load=args.load)
         return 0
     if name == "apply":
         from cdc_apply.bench.apply import bench_apply

@@ -17,6 +17,7 @@ import time
 import psycopg
 
 from cdc_apply.assemble import Assembler
+from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.changerows.segments import ChangeRowBuilder
 from cdc_apply.transactions import Transaction
 from cdc_apply.pgoutput.framing import XLogData, decode_copy_data, split_frames
@@ -27,6 +28,7 @@ from cdc_apply.sources.walsender import WalSenderStream
 from cdc_apply.spark.rows import record_batches
 
 ROWS_PER_TRANSACTION = 100
+LOAD_PUBLICATION = "load"
 BACKLOG_READ = 10_000  # WalSenderStream.read's max_frames
 
 WORKLOAD = """
@@ -53,18 +55,17 @@ END $$;
 """
 
 
-def bench_decode(messages: int = 500_000, binary: bool = False, rounds: int = 3) -> dict[str, float]:
-    """Each stage is timed ``rounds`` times, alternating, and the medians are compared."""
-    transactions = max(4, messages // (ROWS_PER_TRANSACTION + 2))
-    options = PgOutputOptions(("bench_pub",), proto_version=1, binary=binary)
+def bench_decode(messages: int = 500_000, binary: bool = False, rounds: int = 3, load: bool = False) -> dict[str, float]:
+    """Each stage is timed ``rounds`` times, alternating, and the medians are compared. ``load``: the
+    workload of `bench e2e` and the crash drills instead (``bench/load.py``: 1-4 changes to accounts,
+    a journal and a ledger row a transaction, TOAST-sized notes, savepoints rolled back, truncates),
+    run as fast as it goes until it made about ``messages`` messages."""
+    options = PgOutputOptions((LOAD_PUBLICATION if load else "bench_pub",), proto_version=1, binary=binary)
     timings: dict[str, list[float]] = {stage: [] for stage in (*STAGES, "split", "receive_cpu", "log_rows")}
     reads: list[list[memoryview]] = []
     with PgServer() as server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
-            conn.execute(WORKLOAD)
-            create_slot(conn, "bench")
-            print(f"generating {transactions} transactions of {ROWS_PER_TRANSACTION} rows ...", flush=True)
-            conn.execute("CALL bench_load(%s)", (transactions,))
+            transactions = _generate_load(conn, server.dsn, messages) if load else _generate_bulk(conn, messages)
         for _ in range(rounds):
             # The slot is never confirmed, so every round streams the same bytes from its start.
             seconds, receive_cpu, frames = _delivery(server.dsn, options, transactions)
@@ -87,8 +88,8 @@ def bench_decode(messages: int = 500_000, binary: bool = False, rounds: int = 3)
     result["change_rows_mb_per_s"] = total_bytes / 1e6 / median["change_rows"]
     for stage in STAGES[1:]:
         result[f"ratio_{stage}_to_delivery"] = median["delivery"] / median[stage]
-    mode = "binary" if binary else "text"
-    print(f"bench decode ({mode} mode): {len(raws):,} messages, {total_bytes / 1e6:.1f} MB in {len(reads):,} reads; "
+    mode = ("binary" if binary else "text") + (" mode, the e2e load" if load else " mode")
+    print(f"bench decode ({mode}): {len(raws):,} messages, {total_bytes / 1e6:.1f} MB in {len(reads):,} reads; "
           f"median of {rounds} rounds, each stage from the frames as received")
     print(f"  {'walsender delivery':<46} {result['delivery_msg_per_s']:>10,.0f} msg/s  ({median['delivery']:.2f} s)")
     for stage, label in zip(STAGES[1:], STAGE_LABELS, strict=True):
@@ -107,6 +108,27 @@ def bench_decode(messages: int = 500_000, binary: bool = False, rounds: int = 3)
                                                         for stage, seconds in stage_line.items()))
     result.update({f"us_per_change_{stage}": median[stage] * per_change for stage in ("receive_cpu", "log_rows")})
     return result
+
+
+def _generate_bulk(conn: psycopg.Connection, messages: int) -> int:
+    transactions = max(4, messages // (ROWS_PER_TRANSACTION + 2))
+    conn.execute(WORKLOAD)
+    create_slot(conn, "bench")
+    print(f"generating {transactions} transactions of {ROWS_PER_TRANSACTION} rows ...", flush=True)
+    conn.execute("CALL bench_load(%s)", (transactions,))
+    return transactions
+
+
+def _generate_load(conn: psycopg.Connection, dsn: str, messages: int) -> int:
+    create_schema(conn, LOAD_PUBLICATION)
+    create_slot(conn, "bench")
+    print(f"running the e2e load until about {messages:,} messages ...", flush=True)
+    load = Load(dsn, sessions=2, rate_per_session=None).start()
+    # About 1.4 messages a change in this load (its Begin and Commit, Relation messages after truncates).
+    while load.changes * 1.4 < messages and not load.errors:
+        time.sleep(0.2)
+    load.finish()
+    return load.committed
 
 
 STAGES = ("delivery", "message_by_message", "decode_assemble", "change_rows", "python_rows")
