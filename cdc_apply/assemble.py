@@ -193,12 +193,15 @@ class Assembler:
                 txn, self._current = self._current, None
                 events.extend(self._emit(txn.finish(*run.leading_commit)))
         for begun in run.transactions:
-            txn = self._new_transaction(begun.xid, begun.first_lsn, "plain")
-            txn.buffer.extend(begun.changes, begun.size)
-            if begun.commit is None:
-                self._current = txn
-            else:
-                events.extend(self._emit(txn.finish(*begun.commit)))
+            committed = begun.held_whole(self.spill_bytes)
+            if committed is None:
+                txn = self._new_transaction(begun.xid, begun.first_lsn, "plain")
+                txn.buffer.extend(begun.changes, begun.size)
+                if begun.commit is None:
+                    self._current = txn
+                    continue
+                committed = txn.finish(*begun.commit)
+            events.extend(self._emit(committed))
         self.last_lsn = max(self.last_lsn, run.last_lsn)
         return events
 
@@ -213,20 +216,17 @@ class Assembler:
     def open_streamed(self) -> list[int]:
         return sorted(self._streamed)
 
+    def _in_flight(self) -> list[_OpenTransaction]:
+        """Every transaction begun but neither committed nor aborted."""
+        return [*self._streamed.values(), *self._prepared.values(), *([] if self._current is None else [self._current])]
+
     def safe_confirm_lsn(self, processed_lsn: int) -> int:
         """The highest LSN a slot may be confirmed to: not past any transaction still in flight."""
-        in_flight = [t.first_lsn for t in self._streamed.values()]
-        in_flight += [t.first_lsn for t in self._prepared.values()]
-        if self._current is not None:
-            in_flight.append(self._current.first_lsn)
-        return min([processed_lsn, *in_flight])
+        return min([processed_lsn, *(txn.first_lsn for txn in self._in_flight())])
 
     def unfinished(self) -> list[tuple[int, int, str]]:
-        """(xid, first LSN, kind) of every transaction begun but neither committed nor aborted."""
-        open_ = [*self._streamed.values(), *self._prepared.values()]
-        if self._current is not None:
-            open_.append(self._current)
-        return [(txn.xid, txn.first_lsn, txn.kind) for txn in open_]
+        """(xid, first LSN, kind) of every transaction in flight."""
+        return [(txn.xid, txn.first_lsn, txn.kind) for txn in self._in_flight()]
 
     def warn_unfinished(self, what: str) -> None:
         """At the end of a finite input (a capture): say which transactions it cut off, and dropped."""
@@ -235,10 +235,8 @@ class Assembler:
                         what, kind, xid, format_lsn(first_lsn))
 
     def close(self) -> None:
-        for txn in [*self._streamed.values(), *self._prepared.values()]:
+        for txn in self._in_flight():
             txn.buffer.discard()
-        if self._current is not None:
-            self._current.buffer.discard()
 
     # -- message handling --------------------------------------------------------------------
 

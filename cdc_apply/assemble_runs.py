@@ -23,7 +23,7 @@ from cdc_apply.bigendian import read_uint
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import ROW_MARKERS, relation_oid_offset, row_marker_offset
 from cdc_apply.pgoutput.framing import MessageSpans
-from cdc_apply.transactions import Change
+from cdc_apply.transactions import CHANGE_MEMORY_BYTES, Change, Transaction
 
 _B, _C, _I, _U, _D = (ord(tag) for tag in "BCIUD")
 BEGIN_LENGTH = 1 + 8 + 8 + 4  # tag, final LSN, commit timestamp, xid
@@ -48,6 +48,12 @@ class RunTransaction:
     changes: list[Change]
     size: int  # its row messages' bytes
     commit: tuple[int, int, int] | None  # commit LSN, end LSN, commit timestamp
+
+    def held_whole(self, spill_bytes: int) -> Transaction | None:
+        """The transaction, when it commits in the run within the spill budget: it needs no buffer."""
+        if self.commit is None or self.size + CHANGE_MEMORY_BYTES * len(self.changes) > spill_bytes:
+            return None
+        return Transaction(self.xid, *self.commit, self.changes)
 
 
 @dataclass(slots=True)
