@@ -28,6 +28,7 @@ from cdc_apply.sources.slot import PgOutputOptions
 
 Frame = XLogData | Keepalive
 START_TIMEOUT_S = 30.0  # for the server to answer START_REPLICATION
+GATHER_SECONDS = 0.02  # how long a read goes on taking frames the socket holds already (a backlog: thousands)
 STALL_INTERVALS = 3  # status intervals without any message from the server before a stream is stalled
 
 
@@ -114,6 +115,7 @@ class WalSenderStream:
         pgconn = self.conn.pgconn
         frames: list[memoryview] = []
         deadline = time.monotonic() + timeout
+        gather_until: float | None = None  # set when libpq's buffer is first drained with frames in hand
         try:
             while len(frames) < max_frames:
                 size, data = pgconn.get_copy_data(1)
@@ -125,9 +127,18 @@ class WalSenderStream:
                 if size == -2:
                     raise StreamLost(f"replication stream of slot {self.slot} failed: "
                                      f"{pgconn.get_error_message().decode(errors='replace')}")
-                remaining = deadline - time.monotonic()
                 if frames:
-                    break
+                    # libpq's buffer is drained: take what the socket holds already (a backlog), so a
+                    # read is not cut at each refill of the buffer (tens of frames: too few for the
+                    # read-at-a-time assembly); but wait for nothing, and under a steady trickle end
+                    # the read after GATHER_SECONDS, so the loop still looks at its writes.
+                    now = time.monotonic()
+                    gather_until = now + GATHER_SECONDS if gather_until is None else gather_until
+                    if now > gather_until or not select.select([pgconn.socket], [], [], 0)[0]:
+                        break
+                    pgconn.consume_input()
+                    continue
+                remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self._raise_if_stalled()
                     break
