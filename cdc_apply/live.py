@@ -44,7 +44,7 @@ from cdc_apply.sources.catalog import SourceCatalog
 from cdc_apply.sources.health import HealthMonitor
 from cdc_apply.sources.slot import PgOutputOptions, release_stalled_reader, wait_until_caught_up
 from cdc_apply.sources.exported_snapshot import SnapshotLost
-from cdc_apply.sources.walsender import STALL_INTERVALS, StreamLost, WalSenderStream
+from cdc_apply.sources.walsender import MAX_READ_FRAMES, STALL_INTERVALS, StreamLost, WalSenderStream
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WRITER_POLL_S = 0.05  # how often the receive loop looks at a running write
+MIN_READ_FRAMES = 64  # a read's cap never goes below this, so a full batch's last read still moves
 BACKOFF_START_S = 0.5
 # Reconnect attempts are cheap and a failover is waiting on them: after a promotion the new primary
 # is found within this many seconds (docs/operations.md, "Failover").
@@ -184,7 +185,10 @@ class LiveReplicator:
         """One read of the stream into the core (the number of messages); when idle, the
         keepalive's WAL end may be confirmed."""
         timeout = WRITER_POLL_S if core.writing or core.pending else 1.0
-        received = stream.read_frames(timeout=timeout)
+        # A read behind a backlog takes thousands of frames at once: no more than the batch has room
+        # for (a message is at most one change), so a batch does not go far past max_changes.
+        room = max(MIN_READ_FRAMES, min(MAX_READ_FRAMES, core.room()))
+        received = stream.read_frames(timeout=timeout, max_frames=room)
         messages = received.messages
         reply = received.reply_requested
         if len(messages):

@@ -147,6 +147,10 @@ class ReplicationCore:
     def batch_due(self) -> bool:
         return bool(self.pending) and (self.pending_changes >= self.cut.max_changes or self.seconds_until_due() <= 0)
 
+    def room(self) -> int:
+        """How many more changes the pending batch takes before ``max_changes`` cuts it."""
+        return max(0, self.cut.max_changes - self.pending_changes)
+
     def seconds_until_due(self) -> float:
         """How long the pending batch may still wait (infinite with nothing pending or no time cut)."""
         if not self.pending or self.cut.max_seconds is None:

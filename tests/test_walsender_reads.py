@@ -8,7 +8,10 @@ import time
 
 import psycopg
 
-from cdc_apply.sources.slot import PgOutputOptions, create_slot
+from cdc_apply.config import parse_config
+from cdc_apply.live import MIN_READ_FRAMES, BackgroundReplicator
+from cdc_apply.pipeline import drain
+from cdc_apply.sources.slot import PgOutputOptions, create_slot, wait_until_caught_up
 from cdc_apply.sources.walsender import WalSenderStream
 
 
@@ -38,3 +41,25 @@ def test_a_read_behind_a_backlog_takes_more_than_libpq_s_buffer(db18) -> None:  
         assert inserts == 4000
     finally:
         stream.close()
+
+
+def test_a_live_catch_up_cuts_its_batches_at_max_changes(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A read behind a backlog takes at most the pending batch's room, and never less than
+    # MIN_READ_FRAMES (LiveReplicator._receive): without that cap one read of 10,000 frames brought
+    # all 3,000 transactions into one batch.
+    server, dbname = db18
+    conninfo = server.conninfo(dbname)
+    config = parse_config({"pipeline": "cut", "source": {"dsn": conninfo, "slot": "cut", "publication": "cut_pub"},
+                           "target": {"warehouse": str(tmp_path / "wh")},
+                           "batching": {"max_changes": 1000, "max_seconds": 60}})
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("CREATE TABLE cut (id int PRIMARY KEY)")
+        conn.execute("CREATE PUBLICATION cut_pub FOR TABLE cut")
+        drain(config, spark)  # the slot and the empty copy
+        conn.execute("DO $$ BEGIN FOR i IN 1..3000 LOOP INSERT INTO cut VALUES (i); COMMIT; END LOOP; END $$")
+        with BackgroundReplicator(config, spark) as follower:
+            wait_until_caught_up(conninfo, "cut", timeout=300)
+        sizes = [batch.transactions for batch in follower.replicator.summary.batches]
+        assert sum(sizes) == 3000 and max(sizes) <= 1000 + MIN_READ_FRAMES, sizes
+        assert conn.execute("SELECT count(*) FROM cut").fetchone()[0] == \
+            spark.read.format("delta").load(str(tmp_path / "wh" / "public" / "cut")).count()

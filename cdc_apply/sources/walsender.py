@@ -28,6 +28,7 @@ from cdc_apply.sources.slot import PgOutputOptions
 
 Frame = XLogData | Keepalive
 START_TIMEOUT_S = 30.0  # for the server to answer START_REPLICATION
+MAX_READ_FRAMES = 10_000  # at most per read, by default
 GATHER_SECONDS = 0.02  # how long a read goes on taking frames the socket holds already (a backlog: thousands)
 STALL_INTERVALS = 3  # status intervals without any message from the server before a stream is stalled
 
@@ -95,7 +96,7 @@ class WalSenderStream:
         if not ready and remaining <= 0:
             raise StreamLost(f"START_REPLICATION on slot {self.slot} got no answer in time: the connection is stalled")
 
-    def read(self, timeout: float, max_frames: int = 10_000) -> list[Frame]:
+    def read(self, timeout: float, max_frames: int = MAX_READ_FRAMES) -> list[Frame]:
         """The frames that arrive within ``timeout`` seconds (returns as soon as some are in)."""
         frames = [decode_copy_data(data) for data in self.read_raw(timeout, max_frames)]
         if frames:
@@ -103,13 +104,13 @@ class WalSenderStream:
                                                            else frame.start_lsn for frame in frames))
         return frames
 
-    def read_frames(self, timeout: float, max_frames: int = 10_000) -> ReceivedFrames:
+    def read_frames(self, timeout: float, max_frames: int = MAX_READ_FRAMES) -> ReceivedFrames:
         """As ``read``, the frames kept as one buffer (``split_frames``): no object per frame."""
         received = split_frames(self.read_raw(timeout, max_frames))
         self.received_lsn = max(self.received_lsn, received.wal_end)
         return received
 
-    def read_raw(self, timeout: float, max_frames: int = 10_000) -> list[memoryview]:
+    def read_raw(self, timeout: float, max_frames: int = MAX_READ_FRAMES) -> list[memoryview]:
         """The CopyData frames as the connection returns them: each is its own buffer, valid after
         the next call."""
         pgconn = self.conn.pgconn
