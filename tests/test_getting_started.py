@@ -67,9 +67,9 @@ target:
             assert status.returncode == 0, status.stdout + status.stderr
             report = json.loads(status.stdout)
             assert report["slot"]["wal_status"] in ("reserved", "extended"), report
-            # The CLI's jobs keep Delta's default of deletion vectors (the tests' shared sessions turn
-            # them off): the second run's MERGE marked rows of the copy's files, and delta_rows read
-            # them through delta-rs too.
+            # The CLI's jobs run cdc_apply's default of deletion vectors: the second run's MERGE marked
+            # rows of the copy's files instead of rewriting them, and delta_rows read them through
+            # delta-rs too.
             orders_log = warehouse / "public" / "orders" / "_delta_log"
             assert any('"deletionVector"' in commit.read_text() for commit in orders_log.glob("*.json"))
             for name, columns in TABLES.items():
