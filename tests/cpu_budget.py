@@ -9,7 +9,7 @@ import os
 import resource
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -17,9 +17,21 @@ shared_jvm_pid: int | None = None  # the shared session's JVM, set by the ``spar
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SHOWN = 25
 
-# (test id, wall s, shared JVM CPU s, own CPU s, children's CPU s, the worker, when the test ended:
-# CLOCK_MONOTONIC, the same clock in every process of the machine)
-Record = tuple[str, float, float, float, float, str, float]
+
+class Record(NamedTuple):
+    nodeid: str
+    wall: float
+    jvm: float  # the shared session's JVM CPU, s
+    own: float  # the worker's own CPU, s
+    children: float  # the CPU of the children it waited for, s
+    worker: str
+    ended: float  # CLOCK_MONOTONIC: the same clock in every process of the machine
+
+    @property
+    def cpu(self) -> float:
+        return self.jvm + self.own + self.children
+
+
 _started = time.monotonic()
 _records: list[Record] = []
 _from_workers: list[Record] = []
@@ -48,33 +60,34 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     yield
     own_after, children_after = _process_cpu()
     ended = time.monotonic()
-    _records.append((item.nodeid, ended - started, _jvm_cpu() - jvm, own_after - own, children_after - children,
-                     os.environ.get("PYTEST_XDIST_WORKER", "main"), ended))
+    _records.append(Record(item.nodeid, ended - started, _jvm_cpu() - jvm, own_after - own, children_after - children,
+                           os.environ.get("PYTEST_XDIST_WORKER", "main"), ended))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: hand them to the controller
-        session.config.workeroutput["cpu_budget"] = _records  # type: ignore[attr-defined]
+        # As plain tuples: what crosses to the controller is serialized by execnet, which knows no classes.
+        session.config.workeroutput["cpu_budget"] = [tuple(r) for r in _records]  # type: ignore[attr-defined]
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
-    _from_workers.extend(tuple(record) for record in getattr(node, "workeroutput", {}).get("cpu_budget", []))
+    _from_workers.extend(Record(*record) for record in getattr(node, "workeroutput", {}).get("cpu_budget", []))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     records = _records + _from_workers
     if not records:
         return
-    total = [sum(r[i] for r in records) for i in range(1, 5)]  # type: ignore[misc]
+    total = [sum(getattr(r, name) for r in records) for name in ("wall", "jvm", "own", "children")]
     write = terminalreporter.write_line
     write(f"CPU by test: {len(records)} tests, {total[0]:,.0f} s of test time; shared Spark sessions "
           f"{total[1]:,.0f} s, the tests' Python {total[2]:,.0f} s, waited-for children {total[3]:,.0f} s")
     write(f"{'CPU s':>7} {'JVM s':>7} {'own s':>6} {'kids s':>6} {'wall s':>7}  the {SHOWN} costliest tests")
-    for nodeid, wall, jvm, own, children, _, _ in sorted(records, key=lambda r: -(r[2] + r[3] + r[4]))[:SHOWN]:
-        write(f"{jvm + own + children:7.1f} {jvm:7.1f} {own:6.1f} {children:6.1f} {wall:7.1f}  {nodeid}")
+    for r in sorted(records, key=lambda r: -r.cpu)[:SHOWN]:
+        write(f"{r.cpu:7.1f} {r.jvm:7.1f} {r.own:6.1f} {r.children:6.1f} {r.wall:7.1f}  {r.nodeid}")
     # How evenly the workers shared the run: a worker that ends long before the other left a core to it.
-    for worker in sorted({r[5] for r in records}):
-        mine = [r for r in records if r[5] == worker]
-        write(f"worker {worker}: {len(mine)} tests, {sum(r[1] for r in mine):,.0f} s of test time, "
-              f"its last test ended {max(r[6] for r in mine) - _started:,.0f} s into the run")
+    for worker in sorted({r.worker for r in records}):
+        mine = [r for r in records if r.worker == worker]
+        write(f"worker {worker}: {len(mine)} tests, {sum(r.wall for r in mine):,.0f} s of test time, "
+              f"its last test ended {max(r.ended for r in mine) - _started:,.0f} s into the run")
