@@ -238,6 +238,7 @@ class BatchingConfig(_Strict):
     max_seconds: float = Field(10.0, gt=0, le=MAX_SECONDS)
     spill_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=MAX_BYTES)
     parallel_tables: int = Field(4, ge=1, le=64)  # tables of one batch applied at once, each in its own session
+    write_retry_seconds: float = Field(120.0, ge=0, le=MAX_SECONDS)  # run --follow: how long failed writes are tried again
 
 
 class SnapshotConfig(_Strict):

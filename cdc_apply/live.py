@@ -16,6 +16,11 @@ What this driver adds:
 - Under ``changelog.confirm_after: changelog`` the sink only appends to the change log, and a
   ``changelog/follower.TargetFollower`` thread, started after the initial copy, brings the targets up
   from it; its error stops the run.
+- A write that fails for a reason of Spark's or the store's (not a ``CdcApplyError``, which names its
+  cause and stops the run) ends the session like a lost connection: nothing of it was confirmed, so
+  the next session starts at the confirmed position and the targets' versions skip what the failed
+  write made durable. Writes are tried again until they have failed for
+  ``batching.write_retry_seconds`` with none durable between.
 - Slot health (``sources.health``) is checked before each replication connection and every
   ``source.health_interval_seconds`` while it is open; an unusable slot stops the run, it is never
   retried. Every status update sent is the metrics' liveness beat (``/healthz``).
@@ -32,7 +37,9 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from cdc_apply.config import Config
+from cdc_apply.errors import CdcApplyError
 from cdc_apply.failpoints import failpoint
+from cdc_apply.lake.location import StoreAway
 from cdc_apply.lsn import format_lsn
 from cdc_apply.metrics import MetricsServer, PipelineMetrics
 from cdc_apply.parts import run_parts
@@ -59,6 +66,15 @@ BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 5.0
 
 
+class WriteFailed(CdcApplyError):
+    """A batch's write failed for a reason of Spark's or the store's; nothing of it was confirmed."""
+
+    def __init__(self, end_lsn: int, cause: Exception) -> None:
+        first_line = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
+        super().__init__(f"the write of the batch ending at {format_lsn(end_lsn)} failed: {first_line}")
+        self.cause = cause
+
+
 class LiveReplicator:
     def __init__(self, config: Config, spark: SparkSession, stop: StopFlag) -> None:
         self.config = config
@@ -73,6 +89,7 @@ class LiveReplicator:
         self.changelog = self.sink.changelog
         self.confirmed = 0
         self.previous_reader: tuple[str, int, int] | None = None  # host, port, backend PID of the last stream
+        self.failing_since: float | None = None  # the first failed write since the last durable one
 
     def run(self) -> RunSummary:
         if self.config.metrics.port is not None:
@@ -101,7 +118,9 @@ class LiveReplicator:
                     self._start_follower()
                 if self._session(options, check_health=not checked):
                     backoff = BACKOFF_START_S
-            except (StreamLost, SnapshotLost, psycopg.OperationalError) as exc:  # the server went away: retry
+            except (StreamLost, SnapshotLost, psycopg.OperationalError, WriteFailed) as exc:  # retried
+                if isinstance(exc, WriteFailed):
+                    self._give_up_writing_after(exc)
                 self.summary.reconnects += 1
                 self.metrics.reconnected(exc)
                 log.warning("%s; reconnecting in %.1f s", exc, backoff)
@@ -109,6 +128,18 @@ class LiveReplicator:
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
             checked = False
         return self.summary
+
+    def _give_up_writing_after(self, failure: WriteFailed) -> None:
+        """Raises ``failure`` once writes have failed for ``batching.write_retry_seconds`` with none
+        durable between (``_confirm`` clears the clock)."""
+        now = time.monotonic()
+        if self.failing_since is None:
+            self.failing_since = now
+        budget = self.config.batching.write_retry_seconds
+        if now - self.failing_since >= budget:
+            failure.args = (f"{failure.args[0]} (writes failing for {now - self.failing_since:.0f} s of "
+                            f"batching.write_retry_seconds {budget:g})",)
+            raise failure
 
     def _start_follower(self) -> None:
         """After the initial copy: from then on the targets' changes come from the change log."""
@@ -146,7 +177,7 @@ class LiveReplicator:
             while not self.stop.event.is_set():
                 if core.write_done() or core.write_full():
                     # At max_changes pending, receive nothing more until the write is durable.
-                    progressed = core.finish_write(timeout=0 if core.write_done() else WRITER_POLL_S) or progressed
+                    progressed = _finish_write(core, 0 if core.write_done() else WRITER_POLL_S) or progressed
                 received = 0 if core.write_full() else self._receive(stream, core)
                 if core.write_ready(drained=received == 0):
                     core.start_write(writer)
@@ -158,10 +189,10 @@ class LiveReplicator:
                     self.follower.raise_error()
             # Stopping: finish what was received, so a clean stop loses no work.
             if core.writing:
-                progressed = core.finish_write() or progressed
+                progressed = _finish_write(core) or progressed
             if core.pending:
                 core.start_write(writer)
-                progressed = core.finish_write() or progressed
+                progressed = _finish_write(core) or progressed
         finally:
             core.abandon_write()
             writer.shutdown()
@@ -203,9 +234,23 @@ class LiveReplicator:
     def _confirm(self, stream: WalSenderStream, lsn: int) -> None:
         stream.send_status(lsn)
         self.confirmed = lsn
+        self.failing_since = None
         self.summary.confirmed_lsn = lsn
         self.metrics.confirmed_to(lsn)
         log.debug("confirmed slot %s to %s", self.config.source.slot, format_lsn(lsn))
+
+
+def _finish_write(core: ReplicationCore, timeout: float | None = None) -> bool:
+    """``core.finish_write``, its failure for a reason of Spark's or the store's as ``WriteFailed``."""
+    end = core.writing_end or 0
+    try:
+        return core.finish_write(timeout)
+    except StoreAway as exc:
+        raise WriteFailed(end, exc) from exc
+    except (CdcApplyError, psycopg.OperationalError):  # named, or the source lost: as they are
+        raise
+    except Exception as exc:
+        raise WriteFailed(end, exc) from exc
 
 
 class BackgroundReplicator:

@@ -194,6 +194,11 @@ class ReplicationCore:
     def writing(self) -> bool:
         return self._writing is not None
 
+    @property
+    def writing_end(self) -> int | None:
+        """The end of the batch being written, if one is."""
+        return None if self._writing is None else self._writing[1]
+
     def write_ready(self, drained: bool) -> bool:
         """A pipelined driver starts the next batch now: no write is running, and the source had
         nothing more waiting (``drained``) or the batch is due (``max_changes``, ``max_seconds``)."""

@@ -267,25 +267,26 @@ def test_kill_9_of_run_follow_under_load_with_the_warehouse_on_s3(db18, spark, s
 
 @pytest.mark.spark
 def test_run_follow_rides_out_the_s3_server_stopped_mid_stream(db18, spark, s3, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The store goes away for 8 s under load: S3A retries the writes (its retry policy), the slot is
-    not confirmed while nothing can become durable, and when the store is back the pipeline carries on
-    with nothing lost and nothing applied twice."""
+    """The store goes away for 8 s under load: what S3A's retries do not ride out, the pipeline does (a
+    failed write is tried again from the confirmed position), the slot is not confirmed while nothing
+    can become durable, and when the store is back the pipeline carries on with nothing lost and
+    nothing applied twice. Then, with ``batching.write_retry_seconds: 1``, an outage stops the run
+    with the write's error and confirms nothing, and the next run carries on."""
     from cdc_apply.bench.crash import confirmed_lsn, lost_from_targets
     from cdc_apply.bench.load import Load, create_schema
-    from cdc_apply.live import BackgroundReplicator
-    from cdc_apply.sources.slot import wait_until_caught_up
+    from cdc_apply.live import BackgroundReplicator, WriteFailed
     from tests.test_live import assert_delta_equals_postgres, wait_for_slot
 
     _use_store(spark, s3)
     server, dbname = db18
     conninfo = server.conninfo(dbname)
     warehouse = "s3a://lake/outage"
-    config = parse_config({"pipeline": "outage", "source": {"dsn": conninfo, "slot": "crash", "publication": "load"},
-                           "target": {"warehouse": warehouse}, "batching": {"max_seconds": 1, "max_changes": 5000},
-                           "spark": s3.spark_conf()})
+    settings = {"pipeline": "outage", "source": {"dsn": conninfo, "slot": "crash", "publication": "load"},
+                "target": {"warehouse": warehouse}, "batching": {"max_seconds": 1, "max_changes": 5000},
+                "spark": s3.spark_conf()}
     with psycopg.connect(conninfo, autocommit=True) as conn:
         create_schema(conn, "load")
-        with BackgroundReplicator(config, spark) as follower:
+        with BackgroundReplicator(parse_config(settings), spark) as follower:
             wait_for_slot(conninfo, "crash")
             load = Load(conninfo, sessions=2, rate_per_session=20, big_every=0).start()
             time.sleep(6)
@@ -299,10 +300,33 @@ def test_run_follow_rides_out_the_s3_server_stopped_mid_stream(db18, spark, s3, 
                 s3.start()
             time.sleep(4)
             load.finish()
-            wait_until_caught_up(conninfo, "crash", timeout=300)
+            follower.wait_caught_up(timeout=180)
             assert follower.thread.is_alive(), follower.error
         assert not lost_from_targets(conn, load, warehouse, s3.storage())
         assert load.committed > 100
+
+        # cdc_apply's own requests give up after one retry too (S3A's retries stay the session's).
+        settings["batching"] = {**settings["batching"], "write_retry_seconds": 1}
+        settings["spark"] = {**s3.spark_conf(), "spark.hadoop.fs.s3a.retry.limit": "1"}
+        impatient = BackgroundReplicator(parse_config(settings), spark).start()
+        try:
+            impatient.wait_caught_up(timeout=120)
+            before = confirmed_lsn(conn)
+            s3.stop()
+            try:
+                conn.execute("INSERT INTO accounts (id, balance, owner) VALUES (-1, 0, 'away')")
+                impatient.thread.join(180)
+                assert not impatient.thread.is_alive(), "the run went on with the store away"
+                assert confirmed_lsn(conn) == before
+            finally:
+                s3.start()
+        finally:
+            impatient.stop.event.set()
+            impatient.thread.join(60)
+        assert isinstance(impatient.error, WriteFailed), impatient.error
+        assert "batching.write_retry_seconds 1" in str(impatient.error), impatient.error
+        with BackgroundReplicator(parse_config(settings), spark) as after:
+            after.wait_caught_up(timeout=120)
         assert_delta_equals_postgres(spark, conn, warehouse, storage=s3.storage())
 
 

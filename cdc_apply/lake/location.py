@@ -44,6 +44,10 @@ class StorageError(CdcApplyError):
     pass
 
 
+class StoreAway(StorageError):
+    """The store still answered as if away or busy when S3A's retries ran out (``Storage._retrying``)."""
+
+
 # The escape itself, path separators, what Hadoop paths or globs read specially (":" makes a URI
 # scheme) and "%", which delta-rs percent-decodes in a table's path (so "%" cannot be the escape).
 PATH_ESCAPE = "~"
@@ -184,8 +188,9 @@ class Storage:
                 raise StorageError(f"{location}: cannot {doing}: not found") from None
             except OSError as exc:
                 reason = self._scrubbed(_reason(exc))
-                if attempt == len(delays) or not _TRANSIENT.search(str(exc)):
-                    raise StorageError(f"{location}: cannot {doing}: {reason}") from None
+                transient = _TRANSIENT.search(str(exc)) is not None
+                if attempt == len(delays) or not transient:
+                    raise (StoreAway if transient else StorageError)(f"{location}: cannot {doing}: {reason}") from None
                 log.warning("%s: cannot %s (%s); asking again in %.1f s (attempt %d of %d)", location, doing,
                             reason, delays[attempt], attempt + 2, len(delays) + 1)
                 time.sleep(delays[attempt])
