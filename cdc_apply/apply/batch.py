@@ -26,7 +26,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 from typing import TYPE_CHECKING
 
 from cdc_apply.apply.collapse import Collapsed, Collapser, MultisetCollapser
@@ -177,10 +177,15 @@ class BatchApplier:
             self._pool = ThreadPoolExecutor(self.options.parallel_tables, thread_name_prefix="cdc-apply-table")
         futures = [self._pool.submit(self._apply_in_own_session, oid, segments, version, snapshot)
                    for oid, segments in work]
-        for index, future in enumerate(as_completed(futures)):
-            future.result()
-            if index < len(futures) - 1:
-                failpoint("between_tables")
+        try:
+            for index, future in enumerate(as_completed(futures)):
+                future.result()
+                if index < len(futures) - 1:
+                    failpoint("between_tables")
+        finally:
+            # A table's failure goes up only once the others ended: a batch tried again (run --follow
+            # after a failed write) must not commit beside what is left of its first try.
+            wait(futures)
         return [future.result() for future in futures]
 
     def _apply_in_own_session(self, oid: int, segments: list[TableChanges], version: Versioning,
