@@ -70,9 +70,18 @@ class WriteFailed(CdcApplyError):
     """A batch's write failed for a reason of Spark's or the store's; nothing of it was confirmed."""
 
     def __init__(self, end_lsn: int, cause: Exception) -> None:
-        first_line = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
-        super().__init__(f"the write of the batch ending at {format_lsn(end_lsn)} failed: {first_line}")
+        super().__init__(f"the write of the batch ending at {format_lsn(end_lsn)} failed: {_first_line(cause)}")
         self.cause = cause
+
+
+def _first_line(error: Exception) -> str:
+    """The error's first telling line: py4j's starts with the JVM call it made ("An error occurred
+    while calling o123.sql."), the Java exception after it."""
+    for line in str(error).splitlines():
+        line = line.strip().removeprefix(":").strip()
+        if line and not line.startswith("An error occurred while calling"):
+            return line[:300]
+    return type(error).__name__
 
 
 class LiveReplicator:
@@ -131,11 +140,13 @@ class LiveReplicator:
 
     def _give_up_writing_after(self, failure: WriteFailed) -> None:
         """Raises ``failure`` once writes have failed for ``batching.write_retry_seconds`` with none
-        durable between (``_confirm`` clears the clock)."""
+        durable between (``_confirm`` clears the clock), or when it came while stopping."""
         now = time.monotonic()
         if self.failing_since is None:
             self.failing_since = now
         budget = self.config.batching.write_retry_seconds
+        if self.stop.event.is_set():  # the last write of a stop failed: the run ends with its error
+            raise failure
         if now - self.failing_since >= budget:
             failure.args = (f"{failure.args[0]} (writes failing for {now - self.failing_since:.0f} s of "
                             f"batching.write_retry_seconds {budget:g})",)

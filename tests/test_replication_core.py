@@ -75,3 +75,15 @@ def test_a_failed_write_confirms_nothing_and_raises_on_the_receiving_side(captur
             core.finish_write(timeout=30)
     assert confirmed == [] and not core.writing and core.confirmed == 0
     core.close()
+
+
+def test_a_failed_write_is_named_by_its_batch_end_and_the_javas_own_line() -> None:
+    """`run --follow`'s WriteFailed (docs/live.md): py4j's first line names only the JVM call made, so
+    the message takes the Java exception's line after it."""
+    from cdc_apply.live import WriteFailed
+
+    py4j_like = RuntimeError("An error occurred while calling o123.sql.\n: java.net.ConnectException: "
+                             "Connection refused\n\tat sun.nio.ch.Net.pollConnect(Native Method)")
+    assert str(WriteFailed(0x1B8E740, py4j_like)) == \
+        "the write of the batch ending at 0/1B8E740 failed: java.net.ConnectException: Connection refused"
+    assert str(WriteFailed(16, RuntimeError(""))).endswith("failed: RuntimeError")
