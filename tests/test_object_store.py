@@ -311,6 +311,8 @@ def test_run_follow_rides_out_the_s3_server_stopped_mid_stream(db18, spark, s3, 
         settings["spark"] = {**s3.spark_conf(), "spark.hadoop.fs.s3a.retry.limit": "1"}
         impatient = BackgroundReplicator(parse_config(settings), spark).start()
         try:
+            # Caught up past a new row: the run is streaming (its start, which reads the store, is over).
+            conn.execute("INSERT INTO accounts (id, balance, owner) VALUES (-2, 0, 'before')")
             impatient.wait_caught_up(timeout=120)
             s3.stop()
             try:
