@@ -71,7 +71,6 @@ class WriteFailed(CdcApplyError):
 
     def __init__(self, end_lsn: int, cause: Exception) -> None:
         super().__init__(f"the write of the batch ending at {format_lsn(end_lsn)} failed: {_first_line(cause)}")
-        self.cause = cause
 
 
 def _first_line(error: Exception) -> str:
@@ -256,11 +255,10 @@ def _finish_write(core: ReplicationCore, timeout: float | None = None) -> bool:
     end = core.writing_end or 0
     try:
         return core.finish_write(timeout)
-    except StoreAway as exc:
-        raise WriteFailed(end, exc) from exc
-    except (CdcApplyError, psycopg.OperationalError):  # named, or the source lost: as they are
-        raise
     except Exception as exc:
+        named = isinstance(exc, (CdcApplyError, psycopg.OperationalError)) and not isinstance(exc, StoreAway)
+        if named:  # an error cdc_apply names, or the source lost: as it is
+            raise
         raise WriteFailed(end, exc) from exc
 
 
