@@ -27,9 +27,10 @@ def pg_server(request: pytest.FixtureRequest) -> Iterator[PgServer]:
         server.stop()
 
 
-# The three crash tests take a third of the suite. With two workers (./dev test's default), one
-# worker starts with the longest and the other with the next two, so none of them ends up last.
-LONGEST_FIRST = ("tests/test_stream_crash.py", "tests/test_crash.py", "tests/test_changelog_crash.py")
+# The three longest crash drills. With two workers (./dev test's default), one worker starts with the
+# longest and the other with the next two, so none of them ends up last.
+LONGEST_FIRST = ("tests/test_stream_crash.py", "tests/test_object_store.py::test_kill_9_of_run_follow",
+                 "tests/test_changelog_crash.py")
 
 # Child processes (CLI jobs, spark-submit, the notebook's and Airflow's tasks: JVMs that live seconds
 # to minutes) start about a third faster with the JIT's first tier only; the shared session below

@@ -40,7 +40,7 @@ from cdc_apply.status import pipeline_status
 from cdc_apply.stream_job import run_stream
 from tests.delta_oracle import delta_rows, file_statistics, parquet_writers, source_types
 from tests.reference_apply import postgres_rows
-from tests.test_decode_cli import _cli
+from tests.test_decode_cli import _cli, _cli_here
 from tests.test_live import assert_delta_equals_postgres
 
 
@@ -285,10 +285,10 @@ def test_confirm_after_changelog_confirms_at_the_log_and_the_targets_follow(db18
         assert sum(b.transactions for b in once.batches + summary.batches) == logged
 
 
-def test_follow_changelog_keeps_the_targets_current_as_a_separate_streaming_job(db18, spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_follow_changelog_keeps_the_targets_current_as_a_separate_streaming_job(db18, spark, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """``changelog.targets: separate``: the run only appends to the log, and the targets wait; the
     follow-changelog query (``readStream.format("delta")`` on the log), in this process under a load
-    and then as ``cdc-apply follow-changelog --once``, brings every target equal to PostgreSQL,
+    and then as ``cdc-apply follow-changelog --once`` (its ``main`` in this process), brings every target equal to PostgreSQL,
     each logged transaction applied once. A run that applies the targets itself is refused."""
     server, dbname = db18
     conninfo = server.conninfo(dbname)
@@ -329,9 +329,9 @@ def test_follow_changelog_keeps_the_targets_current_as_a_separate_streaming_job(
         drain(config, spark)
         config_file = tmp_path / "separate.json"
         config_file.write_text(json.dumps(config.model_dump(mode="json", exclude_defaults=True)))
-        once = _cli("follow-changelog", "--config", str(config_file), "--once")
-        assert once.returncode == 0, once.stderr[-3000:]
-        assert re.search(r"follow-changelog: 1 window\(s\), [1-9][\d,]* changes applied", once.stdout), once.stdout
+        code, out, err = _cli_here(capsys, "follow-changelog", "--config", str(config_file), "--once")
+        assert code == 0, err[-3000:]
+        assert re.search(r"follow-changelog: 1 window\(s\), [1-9][\d,]* changes applied", out), out
         assert_delta_equals_postgres(spark, conn, warehouse)
 
         in_process = _config(conninfo, warehouse, pipeline="separate", confirm_after="changelog")

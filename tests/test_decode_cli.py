@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
 import psycopg
+import pytest
 
+from cdc_apply.cli import main
 from cdc_apply.sources.capture import read_capture, write_jsonl, write_parquet
 from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
 
@@ -15,6 +18,21 @@ from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cdc_apply.cli", *args], capture_output=True, text=True,
                           timeout=300, env=env)
+
+
+def _cli_here(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """The CLI's ``main`` in this process, where a verb's Spark session is the tests' shared one
+    (``getOrCreate``): a new process would cost a JVM. Returns (exit code, stdout, stderr); the
+    logging ``main`` sets up is undone after it."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    finally:
+        root.handlers[:], root.level = handlers, level
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_decode_prints_messages_and_change_rows_from_both_formats(db18, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -5,7 +5,7 @@
   Spark and by delta-rs; the pipeline's state lies in the bucket beside the targets, and nothing
   lands on the local disk; the change log, in the bucket, rebuilds every table; a resync.
 - Two pipelines from two databases share one bucket; one that would write another's target is refused.
-- kill -9 of `run --follow` under load (2 failpoints, random points); the S3 server stopped for a
+- kill -9 of `run --follow` under load (every failpoint of the stream); the S3 server stopped for a
   while mid-stream.
 - `stream` with its checkpoint in the bucket.
 - Bad input fails before Spark starts, naming the key, with no traceback and no secret.
@@ -29,7 +29,6 @@ from cdc_apply.lake.state import PipelineState, TargetOwnedError, TargetRegistry
 from cdc_apply.s3server import S3Server
 from tests.conftest import fresh_database
 from tests.delta_oracle import delta_rows, parquet_writers, source_types
-from tests.test_crash import CRASH_TEST_KILLS
 from tests.reference_apply import postgres_rows
 from tests.test_decode_cli import _cli
 
@@ -234,30 +233,31 @@ def test_the_pipelines_own_reads_and_writes_ride_out_the_store_away_and_fail_at_
         Storage.from_spark_conf({"spark.hadoop.fs.s3a.retry.limit": "many"}).retry_delays()
 
 
-# The failpoints at which a commit to the bucket has happened and the slot is not yet confirmed; the
-# other two (after_receive, after_decode: nothing written yet) are the local drill's. As many random
-# kills as the local drills in CI (docs/testing.md); `cdc-apply bench crash --warehouse local-s3
+# Every failpoint of the stream: before anything is written (after_receive, after_decode) and after a
+# commit to the bucket with the slot not yet confirmed (between_tables, before_confirm). No random
+# kill: `run --follow` is killed at random on a classic session by the change log's drill and on
+# Connect by the Connect drill (docs/testing.md); `cdc-apply bench crash --warehouse local-s3
 # --kills 20` is the soak.
-S3_FAILPOINTS = ("between_tables", "before_confirm")
+S3_FAILPOINTS = ("after_receive", "after_decode", "between_tables", "before_confirm")
 
 
 @pytest.mark.crash
 @pytest.mark.timeout(1800)
 def test_kill_9_of_run_follow_under_load_with_the_warehouse_on_s3(db18, spark, s3, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The follow drill (tests/test_crash.py) with every target and the state in the bucket: 0 lost,
-    0 applied twice after each kill (the failpoints after a commit to the bucket, then random points),
-    and every table equal to PostgreSQL."""
+    """The follow drill (cdc_apply/bench/crash.py) with every target and the state in the bucket: 0
+    lost, 0 applied twice after each kill (at each failpoint of the stream), and every table equal to
+    PostgreSQL."""
     from cdc_apply.bench.crash import CrashDrill, load_table_differences
     from tests.test_live import assert_delta_equals_postgres
 
     _use_store(spark, s3)
     server, dbname = db18
     conninfo = server.conninfo(dbname)
-    drill = CrashDrill("follow", conninfo, tmp_path, kills=CRASH_TEST_KILLS, seed=54, warehouse_uri="s3a://lake/crash",
+    drill = CrashDrill("follow", conninfo, tmp_path, kills=0, seed=54, warehouse_uri="s3a://lake/crash",
                        spark_conf=s3.spark_conf(), failpoints=S3_FAILPOINTS)
     drill.run()
     assert not drill.problems, drill.problems
-    assert drill.failpoint_kills == len(S3_FAILPOINTS) and drill.random_kills == CRASH_TEST_KILLS
+    assert drill.failpoint_kills == len(S3_FAILPOINTS) and drill.random_kills == 0
     assert drill.load is not None and drill.load.committed > 30
     with psycopg.connect(conninfo, autocommit=True) as conn:
         assert_delta_equals_postgres(spark, conn, drill.warehouse, storage=s3.storage())

@@ -1,4 +1,6 @@
-"""`cdc-apply replay` end to end in a subprocess: summary, idempotence, a table without a key (insert-only)."""
+"""`cdc-apply replay` end to end, first in a subprocess, then in this process on the shared session
+(each new process costs a JVM): summary, idempotence, a table without a key (insert-only), a path
+template."""
 
 from __future__ import annotations
 
@@ -9,11 +11,10 @@ import pytest
 
 from cdc_apply.sources.capture import write_parquet
 from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
-from tests.test_decode_cli import _cli
+from tests.test_decode_cli import _cli, _cli_here
 
 
-@pytest.mark.spark
-def test_replay_twice_applies_once_and_names_a_keyless_table(db18, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_replay_twice_applies_once_and_names_a_keyless_table(db18, spark, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     server, dbname = db18
     with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
         conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
@@ -35,17 +36,17 @@ def test_replay_twice_applies_once_and_names_a_keyless_table(db18, tmp_path) -> 
     assert first.returncode == 0, first.stderr
     assert "public.t" in first.stdout and "I       50 U       10 D       10" in first.stdout
     # Again, with a second capture whose table has no key: the first's batch is skipped, the keyless
-    # table is applied insert-only (one process: each start of the CLI costs a JVM).
+    # table is applied insert-only.
     keyless_capture = tmp_path / "k.parquet"
     write_parquet(keyless_capture, keyless)
-    second = _cli("replay", str(capture), str(keyless_capture), "--warehouse", str(warehouse))
-    assert second.returncode == 0, second.stderr
-    assert re.search(r"public\.t .*already applied in 1 batch\(es\): skipped", second.stdout), second.stdout
-    assert re.search(r"public\.nokey +I +1 ", second.stdout), second.stdout
-    assert "public.nokey: no primary key (replica identity default): applied insert-only" in second.stderr
+    code, out, err = _cli_here(capsys, "replay", str(capture), str(keyless_capture), "--warehouse", str(warehouse))
+    assert code == 0, err
+    assert re.search(r"public\.t .*already applied in 1 batch\(es\): skipped", out), out
+    assert re.search(r"public\.nokey +I +1 ", out), out
+    assert "public.nokey: no primary key (replica identity default): applied insert-only" in err
 
     templated = tmp_path / "templated.yaml"
     templated.write_text(f"target:\n  warehouse: {tmp_path / 'wh2'}\n  path_template: 'cdc_{{schema}}__{{table}}'\n")
-    placed = _cli("replay", str(capture), "--config", str(templated))
-    assert placed.returncode == 0, placed.stderr
+    code, _, err = _cli_here(capsys, "replay", str(capture), "--config", str(templated))
+    assert code == 0, err
     assert (tmp_path / "wh2" / "cdc_public__t" / "_delta_log").is_dir()

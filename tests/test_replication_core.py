@@ -4,7 +4,7 @@ durable, one write runs at a time, and a failed write confirms nothing.
 
 The sink here is the core's own port (``cdc_apply.replication.Sink``), held open by the test so
 the moments between "written" and "durable" can be looked at; the Delta sink behind it is tested
-end to end by test_live.py and test_crash.py.
+end to end by test_live.py and the crash drills (tests/test_crash.py).
 """
 
 from __future__ import annotations

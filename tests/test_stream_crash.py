@@ -12,8 +12,10 @@ After every kill: each transaction whose commit the slot's confirmed position co
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 
+from cdc_apply.bench.crash import load_table_differences
 from tests.test_crash import CRASH_TEST_KILLS, drill_and_compare
 
 pytestmark = pytest.mark.crash
@@ -29,3 +31,14 @@ def test_kill_9_the_streaming_job_at_random_points(db18, spark, tmp_path) -> Non
     assert "batch " in written
     # The batch cut short between its table commits was run again, and skipped the tables it had written.
     assert drill.reran_a_batch_that_was_partly_written(), written[-3000:]
+    # The soak's comparison sees a row applied twice and a value changed.
+    journal, accounts = (f"{drill.warehouse}/public/{name}" for name in ("journal", "accounts"))
+    spark.read.format("delta").load(journal).limit(1).write.format("delta").mode("append").save(journal)
+    last = spark.read.format("delta").load(accounts).agg({"id": "max"}).first()[0]
+    spark.sql(f"UPDATE delta.`{accounts}` SET balance = balance + 1 WHERE id = {last}")
+    server, dbname = db18
+    with psycopg.connect(server.conninfo(dbname), autocommit=True) as conn:
+        differences = load_table_differences(spark, conn, drill.warehouse)
+        journal_rows = conn.execute("SELECT count(*) FROM journal").fetchone()[0]
+    assert differences.keys() == {"public.journal", "public.accounts"}, differences
+    assert differences["public.journal"] == (journal_rows + 1, journal_rows)

@@ -1,6 +1,6 @@
 """`cdc-apply bench crash`: kill -9 a pipeline again and again under a concurrent load, restart it
 each time, and count what was lost and what was applied twice. The crash tests drive the same
-drill with fewer random kills (tests/test_crash.py and its two siblings); this soak keeps the full
+drill with fewer random kills (tests/test_crash.py lists them); this soak keeps the full
 count (docs/testing.md, "Crash tests and the crash soak").
 
 Modes, each a child process of `cdc-apply` on a slot named ``crash`` (``bench/load.py``'s tables):
