@@ -3,16 +3,17 @@
 
 The drills: `stream` (tests/test_stream_crash.py), `run --follow` with ``confirm_after: changelog``
 (tests/test_changelog_crash.py), `run --follow` with the warehouse on S3 (tests/test_object_store.py:
-every failpoint of the stream) and `run --follow` as a Spark Connect client (tests/test_spark_connect.py:
-every failpoint, then random points). After every kill: each transaction whose commit the slot's
+the failpoints after a commit) and `run --follow` as a Spark Connect client (tests/test_spark_connect.py:
+every failpoint of the stream, then random points). After every kill: each transaction whose commit the slot's
 confirmed position covers is durable (``confirmed_flush_lsn`` never passes what Delta holds); at the
 end Delta equals PostgreSQL (nothing lost, and the insert-only ``journal`` table shows nothing
 applied twice).
 
-Until 2026-12-03 a follow drill on the local disk killed at the two failpoints before a commit,
-beside the drill on S3, which killed at the two after one and at random: three JVMs more than the
-drill on S3 killing at all four, which `run --follow`'s random kills on a classic session (the
-change log's drill) and on Connect leave no reason to keep. `cdc-apply bench crash --mode MODE
+Until 2026-12-03 a follow drill on the local disk killed at the two failpoints before a commit, and
+the drill on S3 at the two after one and at random: four JVMs more. The two before a commit are the
+driver's loop before any write, the same code whatever the session or the store, and the Connect
+drill kills at them; `run --follow` is killed at random on a classic session by the change log's
+drill. `cdc-apply bench crash --mode MODE
 --kills 20` keeps the full count of random kills (the README gives its figures). The drill is the
 bench's (``cdc_apply/bench/crash.py``), so both run the same kills and the same checks.
 """
@@ -49,7 +50,9 @@ def drill_and_compare(mode: str, seed: int, db18, spark, tmp_path, min_committed
     return drill
 
 
-def test_the_classic_follow_drill_kills_at_every_failpoint_of_the_stream() -> None:
+def test_the_follow_drills_kill_at_every_failpoint_of_the_stream() -> None:
     from tests.test_object_store import S3_FAILPOINTS
+    from tests.test_spark_connect import CONNECT_FAILPOINTS
 
-    assert sorted(S3_FAILPOINTS) == sorted(MODE_FAILPOINTS["follow"])
+    assert sorted(CONNECT_FAILPOINTS) == sorted(MODE_FAILPOINTS["follow"])
+    assert set(S3_FAILPOINTS) == {"between_tables", "before_confirm"}  # after a commit to the bucket

@@ -317,6 +317,11 @@ def test_follow_changelog_and_trim_changelog_on_connect(db18, spark, connect, tm
         assert log.where(f"commit_lsn <= {last}").count() == 0 and log.where(f"commit_lsn > {last}").count() == 1
 
 
+# Every failpoint of the stream: in CI the only drill that kills at the two before a write
+# (after_receive, after_decode); the drill on S3 kills at the two after a commit (tests/test_crash.py).
+CONNECT_FAILPOINTS = ("after_receive", "after_decode", "between_tables", "before_confirm")
+
+
 @pytest.mark.crash
 @pytest.mark.timeout(1200)
 def test_kill_9_of_a_connect_client_under_load(db18, spark, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -325,10 +330,10 @@ def test_kill_9_of_a_connect_client_under_load(db18, spark, connect, tmp_path) -
     server, dbname = db18
     conninfo = server.conninfo(dbname)
     drill = CrashDrill("follow", conninfo, tmp_path, kills=CRASH_TEST_KILLS, seed=55,
-                       spark_conf={"spark.remote": connect.url})
+                       spark_conf={"spark.remote": connect.url}, failpoints=CONNECT_FAILPOINTS)
     drill.run()
     assert not drill.problems, drill.problems
-    assert drill.failpoint_kills == 4 and drill.random_kills == CRASH_TEST_KILLS
+    assert drill.failpoint_kills == len(CONNECT_FAILPOINTS) and drill.random_kills == CRASH_TEST_KILLS
     assert drill.load is not None and drill.load.committed > 30
     # A killed client leaves no clean-stop marker: each client after a failpoint's kill fenced the
     # ledger before it reached its own failpoint.
