@@ -25,21 +25,20 @@ from hypothesis import strategies as st
 from cdc_apply.apply.options import ApplyOptions, TargetPathError, path_component
 from cdc_apply.assemble import Assembler
 from cdc_apply.changerows.segments import change_rows
-from cdc_apply.cli import main
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.sources.capture import read_captures
 from cdc_apply.sources.raw import RawMessage
 from cdc_apply.sources.slot import PgOutputOptions, create_slot, read_changes
 from tests import hostile as h
 from tests.rows_compare import assert_columnar_matches_scalar
+from tests.test_decode_cli import _cli_here
 
 NUMERIC_10_2 = (10 << 16 | 2) + 4
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.err
+    code, _, err = _cli_here(capsys, *argv)
+    return code, err
 
 
 def run_subprocess(*argv: str, memory_bytes: int = 2 * 1024**3, timeout: float = 180) -> subprocess.CompletedProcess[str]:
