@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from cdc_apply.pgserver import free_port
+from tests.conftest import CHILD_JVM_OPTIONS
 from tests.delta_oracle import delta_rows, parquet_writers, source_types
 from tests.reference_apply import postgres_rows
 
@@ -73,8 +74,10 @@ def _wait_port(port: int, timeout: float = 180) -> None:
 
 @pytest.fixture
 def standalone_cluster(tmp_path: Path) -> Iterator[str]:
+    # The master and worker daemons on the tests' short-job JVM options (the JIT's first tier, the
+    # serial collector): 4.7 s of CPU to start both instead of 9.3 s; the jobs' own JVMs are as before.
     env = {**os.environ, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",
-           "SPARK_WORKER_DIR": str(tmp_path / "work")}
+           "SPARK_WORKER_DIR": str(tmp_path / "work"), "SPARK_DAEMON_JAVA_OPTS": CHILD_JVM_OPTIONS}
     port = free_port()
     spark_class = str(SPARK_HOME / "bin" / "spark-class")
     master = subprocess.Popen([spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
