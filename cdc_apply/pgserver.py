@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import shutil
@@ -26,6 +27,7 @@ from types import TracebackType
 
 SERVICE_USER = "cdcapply"
 DEBIAN_PG15_BINDIR = Path("/usr/lib/postgresql/15/bin")
+USERADD_LOCK = Path(tempfile.gettempdir()) / "cdc_apply-useradd.lock"
 
 LOGICAL_SETTINGS: dict[str, str] = {
     "wal_level": "logical",
@@ -93,24 +95,24 @@ def wait_until_listening(process: subprocess.Popen[bytes], port: int, timeout: f
 
 
 def _service_user(name: str = SERVICE_USER) -> pwd.struct_passwd | None:
-    """The user the server runs as: None (ourselves) unless we are root. Created on first use; several
-    processes may ask at once on a new machine (the test workers' first servers), so a ``useradd`` that
-    fails because another one created the user first, or held the user database's lock, is not an error."""
+    """The user the server runs as: None (ourselves) unless we are root. Created on first use. Several
+    processes may ask at once on a new machine (the test workers' first servers), and two ``useradd``
+    running together each add the name with a uid of its own, one of which then vanishes under a
+    server that ``initdb`` then refuses to run as ("could not look up effective user ID"): so the
+    look-up and the ``useradd`` run under a lock that every process takes (``flock`` on a file)."""
     if os.geteuid() != 0:
         return None
-    failure = ""
-    for _ in range(50):
+    with open(USERADD_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             return pwd.getpwnam(name)
         except KeyError:
             pass
         created = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
                                  capture_output=True, text=True)
-        if created.returncode == 0:
-            return pwd.getpwnam(name)
-        failure = created.stderr.strip()
-        time.sleep(0.1)
-    raise RuntimeError(f"could not create the user {name} that PostgreSQL runs as: {failure}")
+        if created.returncode != 0:
+            raise RuntimeError(f"could not create the user {name} that PostgreSQL runs as: {created.stderr.strip()}")
+        return pwd.getpwnam(name)
 
 
 def remove_shared_memory_segment(postmaster_pid_lines: list[str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 import subprocess
 import threading
 
@@ -97,6 +98,11 @@ def test_several_processes_creating_the_servers_user_at_once_all_get_it() -> Non
             asker.start()
         for asker in askers:
             asker.join()
+        final_uid = pwd.getpwnam(name).pw_uid
     finally:
         subprocess.run(["userdel", name], capture_output=True)
     assert [getattr(user, "pw_name", user) for user in found] == [name] * 6
+    # One user for all of them, and the one that stays: two useradds at once each added the name
+    # with a uid of its own, and a server then ran as the uid that vanished (initdb: "could not
+    # look up effective user ID").
+    assert {getattr(user, "pw_uid", None) for user in found} == {final_uid}
