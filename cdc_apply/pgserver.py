@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pwd
@@ -97,17 +98,17 @@ def wait_until_listening(process: subprocess.Popen[bytes], port: int, timeout: f
 def _service_user(name: str = SERVICE_USER) -> pwd.struct_passwd | None:
     """The user the server runs as: None (ourselves) unless we are root. Created on first use. Several
     processes may ask at once on a new machine (the test workers' first servers), and two ``useradd``
-    running together each add the name with a uid of its own, one of which then vanishes under a
-    server that ``initdb`` then refuses to run as ("could not look up effective user ID"): so the
-    look-up and the ``useradd`` run under a lock that every process takes (``flock`` on a file)."""
+    running together each add the name with a uid of its own, one of which vanishes; ``initdb`` run as
+    that one fails ("could not look up effective user ID"). So the user is created under a lock that
+    every process takes (``flock`` on a file), and looked up again once the lock is held."""
     if os.geteuid() != 0:
         return None
+    with contextlib.suppress(KeyError):
+        return pwd.getpwnam(name)  # every call but the first: no lock
     with open(USERADD_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return pwd.getpwnam(name)
-        except KeyError:
-            pass
+        with contextlib.suppress(KeyError):
+            return pwd.getpwnam(name)  # another process created it while this one waited
         created = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
                                  capture_output=True, text=True)
         if created.returncode != 0:
