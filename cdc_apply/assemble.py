@@ -196,7 +196,7 @@ class Assembler:
             committed = begun.held_whole(self.spill_bytes)
             if committed is None:
                 txn = self._new_transaction(begun.xid, begun.first_lsn, "plain")
-                txn.buffer.extend(begun.changes, begun.size)
+                txn.buffer.extend(begun.changes.made(), begun.size)
                 if begun.commit is None:
                     self._current = txn
                     continue

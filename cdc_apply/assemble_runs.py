@@ -2,8 +2,9 @@
 
 Most of what the walsender sends is Begin, Insert/Update/Delete and Commit, outside any stream
 block. ``plain_run`` finds those messages' boundaries, headers, transactions and relations with
-numpy, once per read, so that assembly makes the ``Change`` of each row and the ``Transaction`` of
-each commit, and no message object, frame object or ``RawMessage``.
+numpy, once per read: a committed transaction's changes stay columns over the read's bytes
+(``RunColumns``, ``RunChanges``), and assembly makes the ``Transaction`` of each commit and no message
+object, frame object, ``RawMessage`` or ``Change``.
 
 It declines (returns None) a run it cannot take whole: a message not well formed (a Begin or a
 Commit of the wrong length, a row header whose marker is not one its tag allows, a position past
@@ -23,7 +24,7 @@ from cdc_apply.bigendian import read_uint
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import ROW_MARKERS, relation_oid_offset, row_marker_offset
 from cdc_apply.pgoutput.framing import MessageSpans
-from cdc_apply.transactions import CHANGE_MEMORY_BYTES, Change, Transaction
+from cdc_apply.transactions import CHANGE_MEMORY_BYTES, Change, RunChanges, RunColumns, Transaction
 
 _B, _C, _I, _U, _D = (ord(tag) for tag in "BCIUD")
 BEGIN_LENGTH = 1 + 8 + 8 + 4  # tag, final LSN, commit timestamp, xid
@@ -36,7 +37,6 @@ _ROW_HEADER = _MARKER_AT + 3  # the marker and at least a column count: what the
 _ALLOWED = np.zeros((256, 256), bool)  # [tag, first marker]
 for _tag, _markers in ROW_MARKERS.items():
     _ALLOWED[_tag, [ord(marker) for marker in _markers]] = True
-_OP_NAMES = [chr(code) for code in range(256)]
 
 
 @dataclass(slots=True)
@@ -45,7 +45,7 @@ class RunTransaction:
 
     xid: int
     first_lsn: int
-    changes: list[Change]
+    changes: RunChanges
     size: int  # its row messages' bytes
     commit: tuple[int, int, int] | None  # commit LSN, end LSN, commit timestamp
 
@@ -109,14 +109,9 @@ def plain_run(spans: MessageSpans, first: int, stop: int, open_changes: int | No
     transaction_of_row = np.cumsum(is_begin)[is_row]
     first_seq = np.concatenate(([-(open_changes or 0)], rows_before[is_begin]))
     seqs = np.arange(len(row_starts)) - first_seq[transaction_of_row]
-    data = spans.data
-    every_change = [Change(seq, _OP_NAMES[tag], in_force[relation], None, None, None, 0, None, lsn, data[start:end],
-                           False, source)
-                    for seq, tag, relation, lsn, start, end in zip(
-                        seqs.tolist(), tags[is_row].tolist(), np.searchsorted(known, oids).tolist(),
-                        lsns[is_row].tolist(), row_starts.tolist(), ends[is_row].tolist(), strict=True)]
-
-    row_count = len(every_change)
+    run = RunColumns(spans.data, row_starts, ends[is_row], tags[is_row], seqs, lsns[is_row].astype(np.int64),
+                     np.searchsorted(known, oids), in_force, source)
+    row_count = len(row_starts)
     leading_end = commit_rows[0] if open_changes is not None and commit_rows else \
         (row_count if open_changes is not None else 0)
     leading_commit = commits[0] if open_changes is not None and commit_rows else None
@@ -127,8 +122,8 @@ def plain_run(spans: MessageSpans, first: int, stop: int, open_changes: int | No
     for index, (xid, first_row) in enumerate(zip(xids, begin_rows, strict=True)):
         committed = index < len(own_commits)
         last_row = own_commit_rows[index] if committed else row_count
-        transactions.append(RunTransaction(xid, begin_lsns[index], every_change[first_row:last_row],
+        transactions.append(RunTransaction(xid, begin_lsns[index], RunChanges(run, first_row, last_row),
                                            size_before[last_row] - size_before[first_row],
                                            own_commits[index] if committed else None))
-    leading = every_change[:leading_end]
+    leading = run.changes(0, leading_end) if leading_end else []
     return PlainRun(leading, size_before[leading_end], leading_commit, transactions, int(lsns.max()))

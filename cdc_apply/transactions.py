@@ -1,6 +1,8 @@
 """What assembly yields: a change (its message bytes and the Relation in force), a committed
-transaction, a non-transactional message, and a transaction's changes past ``spill_bytes`` kept in a
-spill file (``ChangeBuffer`` while it is open, ``SpilledChanges`` once committed). The assembler
+transaction, a non-transactional message, a transaction's changes past ``spill_bytes`` kept in a
+spill file (``ChangeBuffer`` while it is open, ``SpilledChanges`` once committed), and the changes
+of a run of plain transactions kept as columns over the read's bytes (``RunColumns``, a transaction's
+share of them ``RunChanges``). The assembler
 (``assemble.py``) makes them; every runner, the change rows and the apply take them.
 """
 
@@ -11,7 +13,9 @@ import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, overload
+from typing import IO, Any, overload
+
+import numpy as np
 
 from cdc_apply.errors import DecodeError
 from cdc_apply.lsn import format_lsn
@@ -124,6 +128,92 @@ class SpilledChanges(Sequence[Change]):
         return iter(self._changes())
 
 
+_OP_NAMES = [chr(code) for code in range(256)]
+
+
+@dataclass(eq=False)
+class RunColumns:
+    """The row changes of a run of plain transactions (``assemble_runs.plain_run``) as columns over
+    the read's joined bytes: no ``Change`` and no ``bytes`` per row until a consumer asks for them.
+    Row ``i``'s message is ``data[starts[i]:ends[i]]``; ``relations[relation_at[i]]`` is the
+    definition in force (one per table in a run: a Relation message ends a run)."""
+
+    data: bytes
+    starts: np.ndarray  # int64
+    ends: np.ndarray  # int64
+    ops: np.ndarray  # uint8: the row's tag, I, U or D
+    seqs: np.ndarray  # int64: its place in its transaction
+    lsns: np.ndarray  # int64
+    relation_at: np.ndarray  # intp, into ``relations``
+    relations: list[m.Relation]
+    source: str | None
+    _all: list[Change] | None = None
+
+    def changes(self, first: int = 0, stop: int | None = None) -> list[Change]:
+        """Rows ``first`` to ``stop`` as ``Change`` objects, made anew."""
+        data, relations, source = self.data, self.relations, self.source
+        window = slice(first, stop)
+        return [Change(seq, _OP_NAMES[op], relations[relation], None, None, None, 0, None, lsn, data[start:end],
+                       False, source)
+                for seq, op, relation, lsn, start, end in zip(
+                    self.seqs[window].tolist(), self.ops[window].tolist(), self.relation_at[window].tolist(),
+                    self.lsns[window].tolist(), self.starts[window].tolist(), self.ends[window].tolist(), strict=True)]
+
+    def all_changes(self) -> list[Change]:
+        """Every row as a ``Change``, made once: a consumer without a columnar path sees one object per row."""
+        if self._all is None:
+            self._all = self.changes()
+        return self._all
+
+
+class RunChanges(Sequence[Change]):
+    """A committed transaction's changes as rows ``start`` to ``stop`` of a ``RunColumns``. Indexed or
+    iterated, it gives the run's ``Change`` objects (made once per run); the change rows read its
+    columns instead (``changerows/segments.py``). Equal to any sequence of the same changes; pickled
+    as a list."""
+
+    __slots__ = ("run", "start", "stop")
+
+    def __init__(self, run: RunColumns, start: int, stop: int) -> None:
+        self.run, self.start, self.stop = run, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    @overload
+    def __getitem__(self, index: int) -> Change: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Change]: ...
+    def __getitem__(self, index: int | slice) -> Change | list[Change]:
+        return self.run.all_changes()[self.start:self.stop][index]
+
+    def __iter__(self) -> Iterator[Change]:
+        return iter(self.run.all_changes()[self.start:self.stop])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return list, (list(self),)
+
+    def __repr__(self) -> str:
+        return f"RunChanges({list(self)!r})"
+
+    def made(self) -> list[Change]:
+        """The changes as a list of their own (for a buffer that holds them past the run)."""
+        return self.run.changes(self.start, self.stop)
+
+    def relation_oids(self) -> set[int]:
+        run = self.run
+        if len(run.relations) == 1:
+            return {run.relations[0].oid}
+        return {run.relations[i].oid for i in np.unique(run.relation_at[self.start:self.stop]).tolist()}
+
+
 def _pieces(changes: Iterable[Change], max_bytes: int) -> Iterator[list[Change]]:
     """``changes`` in order, in lists of at most ``max_bytes`` (at least one change each), a change
     counted as its message bytes and ``CHANGE_MEMORY_BYTES``."""
@@ -148,7 +238,7 @@ class Transaction:
     commit_lsn: int
     end_lsn: int
     commit_ts: int  # microseconds since the PostgreSQL epoch
-    changes: list[Change] | SpilledChanges  # a Sequence either way; see SpilledChanges
+    changes: list[Change] | SpilledChanges | RunChanges  # a Sequence each way; see those classes
     origin: str | None = None
     origin_lsn: int | None = None
     gid: str | None = None
@@ -163,6 +253,8 @@ class Transaction:
         one, also a table only a rolled-back subtransaction changed)."""
         if isinstance(self.changes, SpilledChanges):
             return {relation.oid for relation in self.changes.relations}
+        if isinstance(self.changes, RunChanges):
+            return self.changes.relation_oids()
         return {change.relation.oid for change in self.changes}
 
 

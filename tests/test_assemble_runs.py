@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cdc_apply.apply.columnar import segment_rows
 from cdc_apply.assemble import Assembler
+from cdc_apply.changerows.segments import ChangeRowBuilder
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgoutput.decoder import PgOutputDecoder
@@ -21,7 +23,9 @@ from cdc_apply.pgoutput.framing import (
     MessageSpans, decode_copy_data, encode_keepalive, encode_xlogdata, split_frames,
 )
 from cdc_apply.sources.raw import RawMessage
-from cdc_apply.transactions import DEFAULT_SPILL_BYTES, SpilledChanges
+from cdc_apply.spark.rows import segment_batch
+from cdc_apply.changerows.run_rows import RunRows
+from cdc_apply.transactions import DEFAULT_SPILL_BYTES, RunChanges, SpilledChanges, Transaction
 
 SOURCE = "walsender"
 
@@ -225,3 +229,56 @@ def test_split_frames_raises_the_frames_own_error(frame: bytes) -> None:
     with pytest.raises(CdcApplyError) as got:
         split_frames([encode_keepalive(1, 2, False), frame])
     assert str(got.value) == str(expected.value)
+
+
+def _with_text_columns(messages: list[bytes]) -> list[bytes]:
+    """The workload with two columns a table, the key and a text, so that its rows convert."""
+    out = []
+    for data in messages:
+        if data[:1] == b"R":
+            relation = PgOutputDecoder().decode(data)
+            assert isinstance(relation, m.Relation)
+            data = encode_relation(replace(relation, columns=tuple(
+                column if i == 0 else replace(column, type_oid=25) for i, column in enumerate(relation.columns[:2]))))
+        out.append(data)
+    return out
+
+
+def _change_rows(batch: list[Transaction]) -> list[object]:
+    """Everything the change rows of a batch give: per segment its changes, Arrow rows, Python rows,
+    the columnar collapse's input and the change log's record batch."""
+    rows: list[object] = []
+    for segment in ChangeRowBuilder().build(batch):
+        rows += [segment.qualified_name, list(segment.changes), segment.transactions, segment.to_arrow(),
+                 segment.rows, segment_rows(segment), segment_batch(segment)]
+    return rows
+
+
+@pytest.mark.parametrize("cut_every", [0, 7, 50])
+def test_change_rows_of_a_run_s_columns_are_the_change_rows_of_its_changes(cut_every: int) -> None:
+    """The change rows (``ChangeRowBuilder``) of transactions read a run at a time, whose changes stay
+    columns over the read (``RunChanges``, then ``RunRows``), are those of the same transactions
+    assembled message by message: in one batch, and in a batch per read; a streamed transaction,
+    a truncate and short runs mixed in."""
+    messages = _with_text_columns(workload())
+    assembler = Assembler()
+    by_message = list(assembler.transactions(RawMessage(0x1000 + 8 * i, None, data, SOURCE)
+                                             for i, data in enumerate(messages)))
+    spans = _spans(messages)
+    bounds = [0, *range(cut_every, len(messages), cut_every or len(messages)), len(messages)] if cut_every \
+        else [0, len(messages)]
+    assembler = Assembler(min_run_messages=1)
+    reads = [[e for e in assembler.feed_spans(MessageSpans(spans.data, spans.starts[first:stop], spans.ends[first:stop],
+                                                           spans.lsns[first:stop]), SOURCE)
+              if isinstance(e, Transaction)] for first, stop in zip(bounds, bounds[1:])]
+    by_run = [t for read in reads for t in read]
+    assert by_run == by_message
+    assert any(isinstance(t.changes, RunChanges) for t in by_run)
+    assert any(isinstance(t.changes, list) for t in by_run)
+    segments = ChangeRowBuilder().build(by_run)
+    assert any(isinstance(s.changes, RunRows) for s in segments)
+    assert _change_rows(by_run) == _change_rows(by_message)
+    read_batches = [[by_message[i] for i in range(sum(map(len, reads[:k])), sum(map(len, reads[:k + 1])))]
+                    for k in range(len(reads))]
+    for read, same in zip(reads, read_batches, strict=True):
+        assert _change_rows(read) == _change_rows(same)

@@ -38,6 +38,7 @@ from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, KEEP, OP
 from cdc_apply.changerows.columns import NotArrowRepresentable
 from cdc_apply.changerows.segments import TableChanges
 from cdc_apply.pgtypes.sparktypes import arrow_type
+from cdc_apply.changerows.run_rows import RunRows
 
 _ARROW_FAILURES = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, KeyError)
 
@@ -58,7 +59,8 @@ class CollapsedColumns:
 def segment_rows(segment: TableChanges) -> pa.Table | None:
     """The segment's change rows as Arrow, when the column-at-a-time parse takes it (``Segment.columnar``)
     and Arrow holds its values."""
-    if not segment.columnar or any(change.op == "T" for change in segment.changes):
+    if not segment.columnar or (bool((segment.changes.ops() == ord("T")).any()) if isinstance(segment.changes, RunRows)
+                                else any(change.op == "T" for change in segment.changes)):
         return None
     try:
         return segment.to_arrow()

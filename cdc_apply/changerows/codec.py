@@ -14,6 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from cdc_apply.changerows.run_rows import RunRows
 from cdc_apply.transactions import Change, Transaction
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn, pg_us_to_unix_us
@@ -134,7 +135,7 @@ class Segment:
     relation: m.Relation
     codec: RelationCodec
     transactions: list[Transaction] = field(default_factory=list)  # parallel to ``changes``
-    changes: list[Change] = field(default_factory=list)
+    changes: list[Change] | RunRows = field(default_factory=list)  # RunRows: the rows of runs' columns
 
     @property
     def qualified_name(self) -> str:
@@ -146,6 +147,8 @@ class Segment:
     @property
     def from_stream(self) -> bool:
         """Every row change still holds its message bytes (truncates carry no images)."""
+        if isinstance(self.changes, RunRows):
+            return True  # its listed changes hold their messages (RunRows.takes)
         undecoded = list(map(_WIRE, self.changes)).count(None)
         return undecoded == 0 or undecoded == "".join(map(_OP, self.changes)).count("T")
 

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from cdc_apply.arrow_nulls import null_array
+from cdc_apply.changerows.run_rows import RunRows, message_spans
 from cdc_apply.transactions import Change, Transaction
 from cdc_apply.changerows.codec import ColumnCodec, RelationCodec, Segment, change_row, where_change
 from cdc_apply.errors import CdcApplyError
@@ -99,9 +100,13 @@ def parse_segment(segment: Segment, parsed: ParsedRows | None = None) -> ParsedS
     bytes (``segment.from_stream``), which are parsed."""
     changes = segment.changes
     count = len(changes)
-    ops = np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8)
+    columnar = isinstance(changes, RunRows)
+    ops = changes.ops() if columnar else _ops(changes)
     truncates = ops == _T
-    wired = list(range(count)) if not truncates.any() else [i for i, c in enumerate(changes) if c.wire is not None]
+    if not truncates.any():
+        wired = list(range(count))
+    else:  # a listed change of a RunRows holds its message unless it is a truncate
+        wired = np.flatnonzero(~truncates).tolist() if columnar else [i for i, c in enumerate(changes) if c.wire is not None]
     images = None if parsed is None else parsed.images(segment, wired)
     if images is None:
         images = parse_images(segment, wired)
@@ -109,13 +114,14 @@ def parse_segment(segment: Segment, parsed: ParsedRows | None = None) -> ParsedS
     relation = segment.relation
     common = _transaction_columns(segment.transactions)
     common.update({
-        "seq": pa.array(np.fromiter(map(_SEQ, changes), np.int32, count)),
+        "seq": pa.array(changes.seqs().astype(np.int32) if columnar else np.fromiter(map(_SEQ, changes), np.int32, count)),
         "relation_oid": pa.array(np.full(count, relation.oid, np.int64)),
         "schema": pa.array([relation.namespace]).take(np.zeros(count, np.int32)),
         "table": pa.array([relation.name]).take(np.zeros(count, np.int32)),
         "op": _op_names().take(np.searchsorted(_OP_CODES, ops)),
         "unchanged": _unchanged(new, segment.codec, count, wired),
-        "truncate_options": (pa.array(np.fromiter(map(_TRUNCATE_OPTIONS, changes), np.int8, count), mask=~truncates)
+        "truncate_options": (pa.array(changes.truncate_options() if columnar
+                                      else np.fromiter(map(_TRUNCATE_OPTIONS, changes), np.int8, count), mask=~truncates)
                              if truncates.any() else null_array(count, pa.int8())),
     })
     take = None if len(wired) == count else _row_index(count, wired)
@@ -170,17 +176,25 @@ def _row_index(count: int, wired: list[int]) -> pa.Array:
 
 
 def parse_images(segment: Segment, wired: list[int]) -> ParsedImages:
-    """The images of the wire-backed changes, parsed from their messages."""
-    changes: list[Change] = segment.changes if len(wired) == len(segment.changes) else [segment.changes[i] for i in wired]
-    wires = [c.wire or b"" for c in changes]
-    in_stream = np.fromiter(map(_IN_STREAM, changes), bool, len(changes))
+    """The images of the wire-backed changes, parsed from their messages: where they lie in the
+    runs' buffer (``RunRows``), else joined."""
     columns = len(segment.codec.columns)
-    lengths = np.fromiter(map(len, wires), np.int64, len(wires))
-    ends = np.cumsum(lengths)
-    buf = np.frombuffer(b"".join(wires), np.uint8)
-    markers_at = ends - lengths + np.where(in_stream, row_marker_offset(True), row_marker_offset(False))
+    if isinstance(segment.changes, RunRows):  # none inside a stream block
+        buf, starts, ends = message_spans(segment.changes.messages())
+        ops = segment.changes.ops()
+        if len(wired) < len(ops):
+            starts, ends, ops = starts[wired], ends[wired], ops[wired]
+        markers_at = starts + row_marker_offset(False)
+    else:
+        changes = segment.changes if len(wired) == len(segment.changes) else [segment.changes[i] for i in wired]
+        wires = [c.wire or b"" for c in changes]
+        in_stream = np.fromiter(map(_IN_STREAM, changes), bool, len(changes))
+        lengths = np.fromiter(map(len, wires), np.int64, len(wires))
+        ends = np.cumsum(lengths)
+        buf = np.frombuffer(b"".join(wires), np.uint8)
+        markers_at = ends - lengths + np.where(in_stream, row_marker_offset(True), row_marker_offset(False))
+        ops = _ops(changes)
     markers = buf[markers_at] if len(buf) else np.zeros(0, np.uint8)
-    ops = np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8)
 
     first = parse_tuples(buf, markers_at + 1, ends, columns)
     bad = first.bad.copy()
@@ -214,6 +228,10 @@ def parse_images(segment: Segment, wired: list[int]) -> ParsedImages:
                      np.where(key_in_first[:, None], first.lengths, new.lengths),
                      key_in_first | new.present)
     return ParsedImages(buf, key, old, new)
+
+
+def _ops(changes: list[Change]) -> np.ndarray:
+    return np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8)
 
 
 def inserted_images(buf: np.ndarray, is_null: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> ParsedImages:

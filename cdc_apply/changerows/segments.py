@@ -13,16 +13,18 @@ values for the apply's row-by-row collapse.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from functools import cached_property
 from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
-from cdc_apply.transactions import Transaction
+from cdc_apply.changerows.run_rows import RunRows
+from cdc_apply.transactions import Change, RunChanges, RunColumns, Transaction
 from cdc_apply.changerows.codec import (
     ColumnCodec, RelationCodec, Segment, change_row, change_row_schema, where_change,
 )
@@ -31,6 +33,7 @@ from cdc_apply.pgoutput import messages as m
 from cdc_apply.pgtypes import TypeCache
 
 _RELATION = attrgetter("relation")
+_CHANGES = attrgetter("changes")
 
 class TableChanges(Segment):
     """A segment with its change rows as Arrow and as Python values."""
@@ -103,7 +106,11 @@ class ChangeRowBuilder:
         return again
 
     def build(self, transactions: Iterable[Transaction], parsed: ParsedRows | None = None) -> list[TableChanges]:
-        """``parsed``: the transactions' change rows as their deliverer parsed them (``TableChanges.parsed``)."""
+        """``parsed``: the transactions' change rows as their deliverer parsed them (``TableChanges.parsed``).
+
+        Consecutive transactions whose changes are one run's columns (``RunChanges``, the walsender's
+        reads) are cut into segments together, by numpy, with no ``Change`` made; the segments they
+        make then hold ``RunRows``. Every other transaction is cut change by change."""
         segments: list[TableChanges] = []
         current: dict[int, TableChanges] = {}
 
@@ -115,22 +122,76 @@ class ChangeRowBuilder:
                 segments.append(segment)
             return segment
 
+        from_runs: list[Transaction] = []
         for txn in transactions:
             for type_message in txn.types:
                 self.types.add(type_message.oid, type_message.namespace, type_message.name, type_message.facts)
             changes = txn.changes
             if not changes:
                 continue
+            if isinstance(changes, RunChanges):
+                if from_runs and from_runs[-1].changes.run is not changes.run:  # type: ignore[union-attr]
+                    _cut_run(from_runs, segment_for)
+                    from_runs = []
+                from_runs.append(txn)
+                continue
+            if from_runs:
+                _cut_run(from_runs, segment_for)
+                from_runs = []
             if len(set(map(id, map(_RELATION, changes)))) == 1:  # the common case: one table, one definition
                 segment = segment_for(changes[0].relation)
+                _add_listed(segment, list(changes))
                 segment.transactions.extend(repeat(txn, len(changes)))
-                segment.changes.extend(changes)
                 continue
             for change in changes:
                 segment = segment_for(change.relation)
+                _add_listed(segment, [change])
                 segment.transactions.append(txn)
-                segment.changes.append(change)
+        if from_runs:
+            _cut_run(from_runs, segment_for)
         return segments
+
+
+def _add_listed(segment: TableChanges, changes: list[Change]) -> None:
+    if isinstance(segment.changes, RunRows):
+        if RunRows.takes(changes):
+            segment.changes.add(changes)
+            return
+        segment.changes = list(segment.changes)
+    segment.changes.extend(changes)
+
+
+def _add_run_rows(segment: TableChanges, run: RunColumns, rows: np.ndarray) -> None:
+    changes = segment.changes
+    if not isinstance(changes, RunRows):
+        if changes and not RunRows.takes(changes):
+            changes.extend(run.all_changes()[row] for row in rows.tolist())
+            return
+        segment.changes = RunRows()
+        if changes:
+            segment.changes.add(changes)
+    segment.changes.add((run, rows))
+
+
+def _cut_run(transactions: list[Transaction], segment_for: Callable[[m.Relation], TableChanges]) -> None:
+    """Transactions whose changes are rows of one run, in order, added to their tables' segments.
+    A run holds one definition per table, so a table's rows go to one segment, in stream order."""
+    run = transactions[0].changes.run  # type: ignore[union-attr]
+    starts = np.fromiter((t.changes.start for t in transactions), np.int64, len(transactions))  # type: ignore[union-attr]
+    counts = np.fromiter(map(len, map(_CHANGES, transactions)), np.int64, len(transactions))
+    first_of = np.cumsum(counts) - counts
+    rows = np.arange(int(counts.sum())) + np.repeat(starts - first_of, counts)
+    relation_at = run.relation_at[rows]
+    by_transaction = np.empty(len(transactions), object)
+    by_transaction[:] = transactions
+    transaction_of = np.repeat(np.arange(len(transactions)), counts)
+    present, first_row = np.unique(relation_at, return_index=True)
+    for relation_index in present[np.argsort(first_row)].tolist():
+        segment = segment_for(run.relations[relation_index])
+        mine = rows if len(present) == 1 else rows[relation_at == relation_index]
+        taken = by_transaction[transaction_of if len(present) == 1 else transaction_of[relation_at == relation_index]]
+        _add_run_rows(segment, run, mine)
+        segment.transactions.extend(taken.tolist())
 
 
 def change_rows(transactions: Iterable[Transaction], types: TypeCache | None = None) -> list[TableChanges]:

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from cdc_apply.changerows.run_rows import RunRows
 from cdc_apply.transactions import Transaction
 from cdc_apply.changerows.codec import ColumnCodec, Segment, where_change
 from cdc_apply.changerows.columns import ImageSpans, ParsedImages, ParsedSegment, change_table, parse_segment
@@ -115,7 +116,9 @@ def _record_batch(columns: dict[str, pa.Array], segment: TableChanges, schema: p
     count = len(changes)
     columns["end_lsn"] = pa.array([t.end_lsn for t in segment.transactions], pa.int64())
     columns["_cdc_relation"] = pa.array([encode_relation(segment.relation)]).take(np.zeros(count, np.int32))
-    if joined_messages is not None and not any(map(_IN_STREAM, changes)):
+    if isinstance(changes, RunRows):  # outside any stream block
+        columns["_cdc_change"] = changes.messages()
+    elif joined_messages is not None and not any(map(_IN_STREAM, changes)):
         columns["_cdc_change"] = _binary_array(list(map(_WIRE, changes)), joined_messages)
     else:
         columns["_cdc_change"] = _binary_array([None if c.wire is None else outside_stream_block(c.wire, c.in_stream)
