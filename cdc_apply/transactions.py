@@ -185,10 +185,16 @@ class RunChanges(Sequence[Change]):
     @overload
     def __getitem__(self, index: slice) -> list[Change]: ...
     def __getitem__(self, index: int | slice) -> Change | list[Change]:
-        return self.run.all_changes()[self.start:self.stop][index]
+        if isinstance(index, slice):
+            return self.run.all_changes()[self.start:self.stop][index]
+        position = index + len(self) if index < 0 else index
+        if not 0 <= position < len(self):
+            raise IndexError(index)
+        return self.run.all_changes()[self.start + position]
 
     def __iter__(self) -> Iterator[Change]:
-        return iter(self.run.all_changes()[self.start:self.stop])
+        every = self.run.all_changes()
+        return (every[row] for row in range(self.start, self.stop))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence):
@@ -211,7 +217,7 @@ class RunChanges(Sequence[Change]):
         run = self.run
         if len(run.relations) == 1:
             return {run.relations[0].oid}
-        return {run.relations[i].oid for i in np.unique(run.relation_at[self.start:self.stop]).tolist()}
+        return {run.relations[i].oid for i in set(run.relation_at[self.start:self.stop].tolist())}
 
 
 def _pieces(changes: Iterable[Change], max_bytes: int) -> Iterator[list[Change]]:

@@ -29,6 +29,7 @@ def test_bench_decode_reports_its_ratio_to_walsender_delivery() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     assert _ratio(run.stdout, "decode \\+ assemble") > 0
     assert _ratio(run.stdout, "change rows as Arrow") > 0 and _ratio(run.stdout, "rows as Python values") > 0
+    assert _ratio(run.stdout, "the same, a backlog.s batches") > 0
     per_change = re.search(r"per change: assembly ([0-9.]+) us read at a time, ([0-9.]+) us message by message "
                            r"\(([0-9.]+)x\); of it, the frames split ([0-9.]+) us", run.stdout)
     assert per_change, run.stdout[-3000:]

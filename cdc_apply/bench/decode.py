@@ -5,7 +5,9 @@ about ``messages`` pgoutput messages exist. The walsender run receives them all 
 delivery rate), keeping each read's frames as the connection returned them; the decode run turns
 exactly those frames into transactions, read by read as ``run --follow`` does (timed), both the
 read-at-a-time way (``Assembler.feed_spans``, the live path) and message by message (a frame
-object and a ``RawMessage`` each, the path before it), then into typed change rows and Arrow.
+object and a ``RawMessage`` each, the path before it), then into typed change rows and Arrow: a
+read's transactions at a time, and again in batches of ``batching.max_changes`` (a backlogged
+``run --follow`` builds its change rows per batch).
 Run in the ``cdc-apply`` process, so with its garbage-collector setting (``runtime.tune_gc``).
 """
 
@@ -19,6 +21,7 @@ import psycopg
 from cdc_apply.assemble import Assembler
 from cdc_apply.bench.load import Load, create_schema
 from cdc_apply.changerows.segments import ChangeRowBuilder
+from cdc_apply.config import BatchingConfig
 from cdc_apply.transactions import Transaction
 from cdc_apply.pgoutput.framing import XLogData, decode_copy_data, split_frames
 from cdc_apply.pgserver import PgServer
@@ -103,7 +106,8 @@ def bench_decode(messages: int = 500_000, binary: bool = False, rounds: int = 3,
     stage_line = {"receive (the loop's CPU)": median["receive_cpu"], "split": median["split"],
                   "decode + assemble": median["decode_assemble"] - median["split"],
                   "the targets' change rows": median["change_rows"] - median["decode_assemble"],
-                  "the log's rows": median["log_rows"]}
+                  "the log's rows": median["log_rows"],
+                  "the targets' change rows in a backlog's batches": median["change_rows_batched"] - median["decode_assemble"]}
     print("  per change, stage by stage: " + ", ".join(f"{stage} {seconds * per_change:.2f} us"
                                                         for stage, seconds in stage_line.items()))
     result.update({f"us_per_change_{stage}": median[stage] * per_change for stage in ("receive_cpu", "log_rows")})
@@ -131,9 +135,11 @@ def _generate_load(conn: psycopg.Connection, dsn: str, messages: int) -> int:
     return load.committed
 
 
-STAGES = ("delivery", "message_by_message", "decode_assemble", "change_rows", "python_rows")
+STAGES = ("delivery", "message_by_message", "decode_assemble", "change_rows", "change_rows_batched", "python_rows")
 STAGE_LABELS = ("decode + assemble, message by message (before)", "decode + assemble", "... + change rows as Arrow",
-                "... + rows as Python values")
+                "... the same, a backlog's batches", "... + rows as Python values")
+# A backlogged run --follow cuts its batches at batching.max_changes: the change rows are built per batch.
+BACKLOG_BATCH_CHANGES = BatchingConfig.model_fields["max_changes"].default
 
 
 def _delivery(dsn: str, options: PgOutputOptions, transactions: int) -> tuple[float, float, list[memoryview]]:
@@ -183,6 +189,12 @@ def _decode(reads: list[list[memoryview]]) -> dict[str, float]:
     started = time.perf_counter()
     rows = sum(segment.to_arrow().num_rows for batch in transactions for segment in builder.build(batch))
     arrow_seconds = time.perf_counter() - started
+    # ... the same, a batch of up to max_changes at a time, as run --follow converts a backlog's batches.
+    batches = _batches([t for read in transactions for t in read], BACKLOG_BATCH_CHANGES)
+    builder = ChangeRowBuilder()
+    started = time.perf_counter()
+    batched_rows = sum(segment.to_arrow().num_rows for batch in batches for segment in builder.build(batch))
+    batched_seconds = time.perf_counter() - started
     # ... + those rows as Python values, as the apply's collapse reads them.
     started = time.perf_counter()
     python_rows = sum(len(segment.rows) for batch in transactions for segment in builder.build(batch))
@@ -192,10 +204,24 @@ def _decode(reads: list[list[memoryview]]) -> dict[str, float]:
     started = time.perf_counter()
     log_rows = sum(batch.num_rows for read in transactions for batch in record_batches(read, builder))
     log_seconds = time.perf_counter() - started
-    assert python_rows == rows == log_rows == sum(len(t.changes) for batch in transactions for t in batch)
+    assert python_rows == rows == batched_rows == log_rows == sum(len(t.changes) for batch in transactions for t in batch)
     return {"message_by_message": message_seconds, "split": split_seconds, "decode_assemble": assemble_seconds,
-            "change_rows": assemble_seconds + arrow_seconds, "python_rows": assemble_seconds + python_seconds,
+            "change_rows": assemble_seconds + arrow_seconds, "change_rows_batched": assemble_seconds + batched_seconds,
+            "python_rows": assemble_seconds + python_seconds,
             "log_rows": log_seconds}
+
+
+def _batches(transactions: list[Transaction], max_changes: int) -> list[list[Transaction]]:
+    """Whole transactions, cut as the replication core cuts a backlog: at ``max_changes`` pending."""
+    batches: list[list[Transaction]] = [[]]
+    pending = 0
+    for txn in transactions:
+        batches[-1].append(txn)
+        pending += len(txn.changes)
+        if pending >= max_changes:
+            batches.append([])
+            pending = 0
+    return [batch for batch in batches if batch]
 
 
 def _warm_up(reads: list[list[memoryview]]) -> None:

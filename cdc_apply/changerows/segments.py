@@ -143,10 +143,13 @@ class ChangeRowBuilder:
                 _add_listed(segment, list(changes))
                 segment.transactions.extend(repeat(txn, len(changes)))
                 continue
+            by_segment: dict[int, tuple[TableChanges, list[Change]]] = {}  # each segment's changes, in order
             for change in changes:
                 segment = segment_for(change.relation)
-                _add_listed(segment, [change])
-                segment.transactions.append(txn)
+                by_segment.setdefault(id(segment), (segment, []))[1].append(change)
+            for segment, listed in by_segment.values():
+                _add_listed(segment, listed)
+                segment.transactions.extend(repeat(txn, len(listed)))
         if from_runs:
             _cut_run(from_runs, segment_for)
         return segments
