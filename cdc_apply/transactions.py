@@ -70,7 +70,25 @@ class Change:
                           source=self.source)
 
 
-class SpilledChanges(Sequence[Change]):
+class ChangesMadeOnDemand(Sequence[Change]):
+    """A sequence of changes that makes its ``Change`` objects the first time it is indexed or
+    iterated (``_changes``, which a subclass defines and keeps), and knows its length without them."""
+
+    def _changes(self) -> list[Change]:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, index: int) -> Change: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Change]: ...
+    def __getitem__(self, index: int | slice) -> Change | list[Change]:
+        return self._changes()[index]
+
+    def __iter__(self) -> Iterator[Change]:
+        return iter(self._changes())
+
+
+class SpilledChanges(ChangesMadeOnDemand):
     """The changes of a transaction that spilled to disk, all of them in its spill file, read back
     on demand.
 
@@ -117,15 +135,6 @@ class SpilledChanges(Sequence[Change]):
     def __len__(self) -> int:
         return self._count
 
-    @overload
-    def __getitem__(self, index: int) -> Change: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[Change]: ...
-    def __getitem__(self, index: int | slice) -> Change | list[Change]:
-        return self._changes()[index]
-
-    def __iter__(self) -> Iterator[Change]:
-        return iter(self._changes())
 
 
 _OP_NAMES = [chr(code) for code in range(256)]

@@ -36,9 +36,9 @@ import pyarrow.compute as pc
 from cdc_apply.arrow_nulls import null_array
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, KEEP, OP
 from cdc_apply.changerows.columns import NotArrowRepresentable
+from cdc_apply.changerows.run_rows import RunRows
 from cdc_apply.changerows.segments import TableChanges
 from cdc_apply.pgtypes.sparktypes import arrow_type
-from cdc_apply.changerows.run_rows import RunRows
 
 _ARROW_FAILURES = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, KeyError)
 

@@ -5,19 +5,19 @@ what the walsender's reads assemble into) and listed ``Change`` objects, in stre
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from operator import attrgetter
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from cdc_apply.transactions import Change, RunColumns
+from cdc_apply.transactions import Change, ChangesMadeOnDemand, RunColumns
 
 _OP, _SEQ, _WIRE, _TRUNCATE_OPTIONS = (attrgetter(name) for name in ("op", "seq", "wire", "truncate_options"))
 
 
-class RunRows(Sequence[Change]):
+class RunRows(ChangesMadeOnDemand):
     """A table's changes in a batch, in order, as pieces: rows of a run's columns (``RunColumns``,
     ``rows``), or a list of ``Change`` objects, none inside a stream block and each I/U/D holding
     its message bytes (``changerows/segments.py``). Its columns are read with no ``Change`` made for a
@@ -28,6 +28,7 @@ class RunRows(Sequence[Change]):
         self._count = 0
         self._list: list[Change] | None = None
         self._messages: pa.Array | None = None
+        self._ops: np.ndarray | None = None
 
     @staticmethod
     def takes(changes: Sequence[Change]) -> bool:
@@ -41,7 +42,7 @@ class RunRows(Sequence[Change]):
         else:
             self.pieces.append(piece)
         self._count += len(piece[1]) if isinstance(piece, tuple) else len(piece)
-        self._list = self._messages = None
+        self._list = self._messages = self._ops = None
 
     def __len__(self) -> int:
         return self._count
@@ -58,20 +59,13 @@ class RunRows(Sequence[Change]):
             self._list = made
         return self._list
 
-    @overload
-    def __getitem__(self, index: int) -> Change: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[Change]: ...
-    def __getitem__(self, index: int | slice) -> Change | list[Change]:
-        return self._changes()[index]
-
-    def __iter__(self) -> Iterator[Change]:
-        return iter(self._changes())
-
     def ops(self) -> np.ndarray:
-        """Each row's op as its tag byte (I, U, D, T)."""
-        return self._column(lambda run, rows: run.ops[rows],
-                            lambda changes: np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8), np.uint8)
+        """Each row's op as its tag byte (I, U, D, T); made once (the parse and the collapse both ask)."""
+        if self._ops is None:
+            self._ops = self._column(lambda run, rows: run.ops[rows],
+                                     lambda changes: np.frombuffer("".join(map(_OP, changes)).encode(), np.uint8),
+                                     np.uint8)
+        return self._ops
 
     def seqs(self) -> np.ndarray:
         return self._column(lambda run, rows: run.seqs[rows],
