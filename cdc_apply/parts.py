@@ -37,10 +37,13 @@ def source_applier(config: Config, spark: SparkSession) -> BatchApplier:
     return BatchApplier(spark, apply_options(config), missing_value=SourceCatalog.of(config.source).missing_value)
 
 
-def copier(config: Config, spark: SparkSession, applier: BatchApplier | None = None) -> Snapshotter:
+def copier(config: Config, spark: SparkSession, applier: BatchApplier | None = None,
+           changelog: ChangeLog | None = None) -> Snapshotter:
     """The copier of the config's tables (initial copies, resyncs), committing through ``applier``
-    (by default a ``source_applier``)."""
-    return Snapshotter(config, applier or source_applier(config, spark))
+    (by default a ``source_applier``) and telling ``changelog`` (by default the config's, when on)
+    of each copy."""
+    return Snapshotter(config.source, config.snapshot, applier or source_applier(config, spark),
+                       changelog or enabled_changelog(spark, config))
 
 
 @dataclass
@@ -68,9 +71,9 @@ def run_parts(config: Config, spark: SparkSession, summary: RunSummary, *, sink_
     target (one added to the publication later), as `run` does; `stream`'s data source copies them
     itself. ``follower``: under ``confirm_after: changelog`` with ``targets: in_process``, a follower
     thread rather than a catch-up at the end."""
-    applier = source_applier(config, spark)
-    snapshotter = copier(config, spark, applier)
     changelog = enabled_changelog(spark, config)
+    applier = source_applier(config, spark)
+    snapshotter = copier(config, spark, applier, changelog)
     from_log = None
     if changelog is not None and config.changelog.follower == "in_process":
         from_log = targets_from_changelog(changelog, applier, summary, config.batching)

@@ -78,7 +78,6 @@ class BatchApplier:
         self._pool: ThreadPoolExecutor | None = None
         self.options = options
         self.missing_value = missing_value
-        self.registry = registry or TargetRegistry(options.state)
         self.target_states = TargetStates()
         self.schema = SchemaApplier(options, self.target_states, missing_value)
         self.rows = ChangeRowBuilder(self.schema.types)  # the same type cache: Type messages register there
@@ -88,6 +87,7 @@ class BatchApplier:
         self.large_transactions: Callable[[Transaction], BatchResult | None] | None = None
         self.pieces = PiecewiseAppender(lambda oid, relation, versioning: self._plan(oid, relation, versioning, False, None),
                                         self.rows, self.schema, self.writer, options.piece_bytes)
+        self.registry = registry or TargetRegistry(options.state)
 
     def apply(self, transactions: Iterable[Transaction], *, snapshot: bool = False,
               stream_batch: tuple[str, int] | None = None,

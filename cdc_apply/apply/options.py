@@ -136,11 +136,11 @@ def table_options(table: TableConfig) -> TableOptions:
 def apply_options(config: Config) -> ApplyOptions:
     """What the apply needs of a validated config."""
     return ApplyOptions(warehouse=config.target.warehouse, pipeline=config.pipeline,
-                        storage=Storage.from_spark_conf(config.spark),
-                        parallel_tables=config.batching.parallel_tables,
-                        path_template=config.target.path_template, name_template=config.target.name_template,
                         tables={pattern: table_options(table) for pattern, table in config.tables.items()},
                         defaults=table_options(config.defaults), table_properties=dict(config.target.properties),
+                        parallel_tables=config.batching.parallel_tables,
+                        path_template=config.target.path_template, name_template=config.target.name_template,
                         optimize_every_commits=config.target.optimize_every_commits,
                         piece_bytes=min(MAX_PIECE_BYTES, config.batching.spill_bytes),
-                        delta_internals=config.target.delta_internals)
+                        delta_internals=config.target.delta_internals,
+                        storage=Storage.from_spark_conf(config.spark))

@@ -110,7 +110,7 @@ class ChangeLog:
         self.pipeline = config.pipeline
         self.app_id = f"{config.pipeline}/changelog"
         self.target = changelog_target(spark, config, warehouse)
-        self.storage = Storage.from_spark_conf(config.spark)  # the log's own files reach its store with it
+        self.storage = self.target.storage  # the log's own files reach its store with it
         self._version: int | None = None
         self._ready = False
         self._fenced = False

@@ -50,9 +50,9 @@ from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.delta_internal import FileAppend
 from cdc_apply.apply.targets import Target, quote
 from cdc_apply.transactions import Transaction
-from cdc_apply.changelog.log import enabled_changelog
+from cdc_apply.changelog.log import ChangeLog
 from cdc_apply.changerows.columns import inserted_images
-from cdc_apply.config import Config
+from cdc_apply.config import SnapshotConfig, SourceConfig
 from cdc_apply.failpoints import failpoint
 from cdc_apply.lake.state import ResyncMarks
 from cdc_apply.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_datetime
@@ -73,11 +73,15 @@ log = logging.getLogger(__name__)
 
 
 class Snapshotter:
-    def __init__(self, config: Config, applier: BatchApplier) -> None:
-        self.config = config
+    def __init__(self, source: SourceConfig, settings: SnapshotConfig, applier: BatchApplier,
+                 changelog: ChangeLog | None) -> None:
+        """Copies the tables of ``source``'s publications as ``settings`` say, committing through
+        ``applier``; ``changelog``, when on, is told of each copy (its rows are not in the stream)."""
+        self.source = source
+        self.settings = settings
         self.applier = applier
+        self.changelog = changelog
         self.resyncs = ResyncMarks(applier.options.state)
-        self.changelog = enabled_changelog(applier.spark, config)  # told of each copy: its rows are not in it
 
     def needs_copy(self, table: PublishedTable) -> bool:
         relation = table.relation
@@ -99,12 +103,12 @@ class Snapshotter:
     def sync(self, only_oids: Iterable[int] | None = None, forced: bool = False) -> list[TableSnapshot]:
         """Copy every published table (or those of ``only_oids``) whose target is not in sync.
         ``forced``: also when ``snapshot.enabled`` is false (a resync asked for by name)."""
-        if not self.config.snapshot.enabled and not forced:
+        if not self.settings.enabled and not forced:
             return []
         wanted = set(only_oids) if only_oids is not None else None
-        conninfo = self.config.source.conninfo()
+        conninfo = self.source.conninfo()
         with psycopg.connect(conninfo, autocommit=True) as conn:
-            tables = [t for t in published_tables(conn, self.config.source.publications)
+            tables = [t for t in published_tables(conn, self.source.publications)
                       if (wanted is None or t.relation.oid in wanted) and self.needs_copy(t)]
             estimates = {oid: int(n) for oid, n in conn.execute(
                 "SELECT oid, greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = ANY(%s)",
@@ -112,7 +116,7 @@ class Snapshotter:
         if not tables:
             return []
         with ExportedSnapshot(conninfo) as snapshot:
-            in_snapshot = {t.relation.oid: t for t in snapshot.published_tables(self.config.source.publications)}
+            in_snapshot = {t.relation.oid: t for t in snapshot.published_tables(self.source.publications)}
             tables = [in_snapshot[t.relation.oid] for t in tables if t.relation.oid in in_snapshot]
             log.info("initial snapshot of %d table(s) at consistent point %s", len(tables),
                      format_lsn(snapshot.consistent_lsn))
@@ -122,8 +126,8 @@ class Snapshotter:
             return [self._copy(snapshot, table, estimates.get(table.relation.oid), taken) for table in tables]
 
     def _slot_confirmed(self) -> int:
-        with psycopg.connect(self.config.source.conninfo(), autocommit=True) as conn:
-            return confirmed_flush(conn, self.config.source.slot)
+        with psycopg.connect(self.source.conninfo(), autocommit=True) as conn:
+            return confirmed_flush(conn, self.source.slot)
 
     def _unique_key(self, table: PublishedTable) -> tuple[str, ...]:
         """The source's own unique key, in which order a copy can resume; () for any other table."""
@@ -195,8 +199,7 @@ class Snapshotter:
         planning costs more than the copy, or the target keeps versions (SCD type 2), whose rows
         the history collapse writes."""
         options = self.applier.options.for_table(relation.namespace, relation.name)
-        settings = self.config.snapshot
-        return settings.method == "spark" and pages > settings.range_pages and options.scd_type != 2
+        return self.settings.method == "spark" and pages > self.settings.range_pages and options.scd_type != 2
 
     def _emptied(self, target: Target, relation: m.Relation, version: int) -> Target:
         """The target without the rows of a copy that cannot be resumed: for a resync, replaced by
@@ -217,7 +220,7 @@ class Snapshotter:
         positions = [[c.name for c in relation.columns].index(k) for k in key]
         self._start_log(copy, 1)
         with progress(f"snapshot {table.qualified_name}", estimate) as advance:
-            for chunk in snapshot.rows(table, self.config.snapshot.chunk_rows, key, after):
+            for chunk in snapshot.rows(table, self.settings.chunk_rows, key, after):
                 first_row = rows
                 rows += len(chunk)
                 after = [chunk.text(len(chunk) - 1, i) or "" for i in positions]  # a unique key's values are not null
@@ -262,7 +265,7 @@ class Snapshotter:
         Delta commit, in page order; each commit records the range it ended at. A resumed copy (a
         table with a unique key) reads the ranges left from a new snapshot and merges them by key: a
         row that moved pages between the two snapshots may be in the rows copied already."""
-        settings = self.config.snapshot
+        settings = self.settings
         table, target = copy.table, copy.target
         after = copy.resumed["after"] if copy.resumed else None
         _, ranges = snapshot.page_ranges(table, settings.range_pages, tuple(after) if after else None)  # type: ignore[arg-type]
@@ -274,7 +277,7 @@ class Snapshotter:
         spark = self.applier.spark
         tasks = min(settings.parallelism or default_parallelism(spark), settings.max_connections)
         schema = self.applier.schema
-        job = TableCopy(self.config.source.conninfo(), snapshot.name, table, state.column_map(), target.data_types(),
+        job = TableCopy(self.source.conninfo(), snapshot.name, table, state.column_map(), target.data_types(),
                         schema.exact_text_columns(table.relation, state), dict(schema.types.named), settings.chunk_rows,
                         self._metadata_values(copy, table.relation))
         if self._logs(copy):
@@ -288,7 +291,7 @@ class Snapshotter:
         with progress(f"snapshot {table.qualified_name}", estimate) as advance:
             for first in range(0, len(ranges), settings.ranges_per_commit):
                 wave = ranges[first:first + settings.ranges_per_commit]
-                metadata = json.dumps({"cdc_apply": "snapshot", "pipeline": self.config.pipeline,
+                metadata = json.dumps({"cdc_apply": "snapshot", "pipeline": self.applier.options.pipeline,
                                        "relation_oid": table.relation.oid, "source": table.qualified_name,
                                        "copy": {**copy.progress, "after": [wave[-1].source, wave[-1].end_page]}},
                                       sort_keys=True)
