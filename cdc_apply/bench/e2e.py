@@ -8,7 +8,9 @@
    rate of that backlog (a second slot, frames read and dropped) and the pipeline's catch-up rate
    over the same WAL; their ratio is the figure to compare. The delivery is timed twice, before
    and after the catch-up (a slot each), and the faster is the one compared: one timing swung
-   from 81k to 187k changes/s between backlogs of one run (2026-11-28).
+   from 81k to 187k changes/s between backlogs of one run (2026-11-28). With it, the driver's CPU
+   per change over the catch-up (this Python process, user and system time, every thread; and of
+   it the replication loop's thread).
 """
 
 from __future__ import annotations
@@ -42,6 +44,23 @@ class Delivery(NamedTuple):
     changes: int  # DML messages
     seconds: float
     last_end: int  # the end LSN of the last transaction
+
+
+class CatchUp(NamedTuple):
+    """``run --follow`` over a backlog (``catchup_follow``)."""
+
+    changes: int
+    confirmed_seconds: float  # until the slot is confirmed at the backlog's end
+    seconds: float  # until the targets hold it (the same without ``confirm_after: changelog``)
+    # CPU of this Python process until the slot is confirmed (every thread: receive, assembly, the
+    # change rows, the change log's rows and files, py4j; the JVM is a process of its own) ...
+    driver_cpu_seconds: float
+    # ... of it, the replication loop's thread (receive, split, decode, assembly; under
+    # ``confirm_after: changelog`` also the wait for the log's append)
+    loop_cpu_seconds: float
+
+    def us_per_change(self, cpu_seconds: float) -> float:
+        return cpu_seconds / max(self.changes, 1) * 1e6
 
 
 def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> Delivery:
@@ -88,7 +107,7 @@ def delivery_slots(server: PgServer, name: str) -> tuple[str, str]:
 
 
 def catchup_between_deliveries(server: PgServer, config: Config, spark: SparkSession, slots: tuple[str, str],
-                               upto: int) -> tuple[Delivery, list[float], tuple[int, float, float]]:
+                               upto: int) -> tuple[Delivery, list[float], CatchUp]:
     """The backlog up to ``upto`` delivered on ``slots[0]``, the pipeline's catch-up over it
     (``catchup_follow``), then delivered again on ``slots[1]``: (the first delivery, both delivery
     rates in changes/s, the catch-up)."""
@@ -126,18 +145,21 @@ def backlog(server: PgServer, seconds: float, sessions: int, seed: int = 2) -> i
         return parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
 
 
-def catchup_follow(server: PgServer, config: Config, spark: SparkSession, last_end: int) -> tuple[int, float, float]:
-    """``run --follow`` over the slot's backlog: (changes applied, seconds until the slot is confirmed
-    up to ``last_end``, the end of the backlog's last transaction, seconds until the targets hold
-    it). Without ``confirm_after: changelog`` the two times are one."""
-    pipeline = BackgroundReplicator(config, spark).start()
+def catchup_follow(server: PgServer, config: Config, spark: SparkSession, last_end: int) -> CatchUp:
+    """``run --follow`` over the slot's backlog up to ``last_end``, the end of its last transaction."""
+    cpu_started = time.process_time()
     started = time.perf_counter()
+    pipeline = BackgroundReplicator(config, spark).start()
+    assert pipeline.thread.ident is not None
+    loop_clock = time.pthread_getcpuclockid(pipeline.thread.ident)
     wait_until_caught_up(server.dsn, config.source.slot, 1800, running=pipeline.thread.is_alive, lsn=last_end)
     confirmed = time.perf_counter() - started
+    driver_cpu, loop_cpu = time.process_time() - cpu_started, time.clock_gettime(loop_clock)
     pipeline.wait_caught_up(timeout=1800, lsn=last_end)
     seconds = time.perf_counter() - started
     pipeline.finish()
-    return sum(b.changes for b in pipeline.replicator.summary.batches), confirmed, seconds
+    return CatchUp(sum(b.changes for b in pipeline.replicator.summary.batches), confirmed, seconds, driver_cpu,
+                   loop_cpu)
 
 
 def _on_connect(server: PgServer, config: Config, seconds: float, rate: float, sessions: int) -> dict[str, float]:
@@ -160,7 +182,8 @@ def _on_connect(server: PgServer, config: Config, seconds: float, rate: float, s
                 create_slot(conn, "connect_delivery")
             upto = backlog(server, seconds, sessions, seed=22)
             delivered = _delivery(server, on_connect, "connect_delivery", upto)
-            changes, _, catchup_seconds = catchup_follow(server, on_connect, client, delivered.last_end)
+            caught_up = catchup_follow(server, on_connect, client, delivered.last_end)
+            changes, catchup_seconds = caught_up.changes, caught_up.seconds
         finally:
             client.stop()
     delivery = delivered.changes / delivered.seconds
@@ -237,8 +260,7 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
             print(f"2/{phases} backlog: unthrottled load for {seconds:g} s with the pipeline stopped ...", flush=True)
             slots = delivery_slots(server, "delivery")
             upto = backlog(server, seconds, sessions)
-            delivered, rates, (catchup_changes, _, catchup_seconds) = \
-                catchup_between_deliveries(server, config, spark, slots, upto)
+            delivered, rates, caught_up = catchup_between_deliveries(server, config, spark, slots, upto)
             result = {
                 "steady_changes_per_s": steady_rate,
                 "lag_p50_s": steady.lag_percentile(0.5) or 0.0,
@@ -247,7 +269,9 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
                 "delivery_changes_per_s": max(rates),
                 "delivery_before_changes_per_s": rates[0],
                 "delivery_after_changes_per_s": rates[1],
-                "catchup_changes_per_s": catchup_changes / catchup_seconds,
+                "catchup_changes_per_s": caught_up.changes / caught_up.seconds,
+                "catchup_driver_us_per_change": caught_up.us_per_change(caught_up.driver_cpu_seconds),
+                "catchup_loop_us_per_change": caught_up.us_per_change(caught_up.loop_cpu_seconds),
             }
             if changelog:
                 result.update(_changelog_phases(server, with_changelog(config), spark, seconds, rate, sessions, phases))
@@ -281,8 +305,10 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
           f"({delivered.changes:,} changes; the faster of two timings, {rates[0]:,.0f} before the catch-up and "
           f"{rates[1]:,.0f} after it)")
     print(f"  pipeline catch-up      {result['catchup_changes_per_s']:>10,.0f} changes/s "
-          f"({catchup_changes:,} changes in {catchup_seconds:.2f} s)  "
+          f"({caught_up.changes:,} changes in {caught_up.seconds:.2f} s)  "
           f"ratio {result['ratio_catchup_to_delivery']:.3f}x (goal >= 0.4x)")
+    print(f"  driver CPU per change  {result['catchup_driver_us_per_change']:.1f} us over the catch-up (this "
+          f"process, every thread), of it the replication loop's thread {result['catchup_loop_us_per_change']:.1f} us")
     if changelog:
         _print_changelog(result)
     if connect:
@@ -314,8 +340,7 @@ def _changelog_phases(server: PgServer, config: Config, spark: SparkSession, sec
     _, steady = steady_follow(server, config, spark, seconds, rate, sessions, seed=5, first=False)
     slots = delivery_slots(server, "delivery_changelog")
     upto = backlog(server, seconds, sessions, seed=6)
-    _, rates, (changes, confirmed_seconds, targets_seconds) = catchup_between_deliveries(server, config, spark,
-                                                                                          slots, upto)
+    _, rates, caught_up = catchup_between_deliveries(server, config, spark, slots, upto)
     delivery = max(rates)
     return {
         "changelog_lag_p50_s": steady.lag_percentile(0.5, steady.changelog_lag_seconds) or 0.0,
@@ -325,8 +350,10 @@ def _changelog_phases(server: PgServer, config: Config, spark: SparkSession, sec
         "changelog_delivery_changes_per_s": delivery,
         "changelog_delivery_before_changes_per_s": rates[0],
         "changelog_delivery_after_changes_per_s": rates[1],
-        "ratio_confirmed_catchup_to_delivery": changes / confirmed_seconds / delivery,
-        "ratio_changelog_targets_catchup_to_delivery": changes / targets_seconds / delivery,
+        "ratio_confirmed_catchup_to_delivery": caught_up.changes / caught_up.confirmed_seconds / delivery,
+        "ratio_changelog_targets_catchup_to_delivery": caught_up.changes / caught_up.seconds / delivery,
+        "confirmed_driver_us_per_change": caught_up.us_per_change(caught_up.driver_cpu_seconds),
+        "confirmed_loop_us_per_change": caught_up.us_per_change(caught_up.loop_cpu_seconds),
     }
 
 
@@ -341,3 +368,6 @@ def _print_changelog(result: dict[str, float]) -> None:
           f"{result['changelog_delivery_after_changes_per_s']:,.0f} after; goal >= 0.6x); the targets "
           f"{result['ratio_changelog_targets_catchup_to_delivery']:.3f}x (without the log: "
           f"{result['ratio_catchup_to_delivery']:.3f}x)")
+    print(f"  driver CPU per change  {result['confirmed_driver_us_per_change']:.1f} us until confirmed (this process, "
+          f"every thread; goal <= 6 us), of it the replication loop's thread "
+          f"{result['confirmed_loop_us_per_change']:.1f} us")

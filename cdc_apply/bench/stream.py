@@ -80,10 +80,10 @@ def bench_stream(seconds: float = 20.0, rate: float = 40.0, sessions: int = 2,
             print(f"2/2 backlog: unthrottled load for {seconds:g} s with both stopped ...", flush=True)
             slots = delivery_slots(server, "delivery")
             upto = backlog(server, seconds, sessions)
-            _, rates, (follow_changes, _, follow_took) = catchup_between_deliveries(server, follow, spark, slots, upto)
+            _, rates, caught_up = catchup_between_deliveries(server, follow, spark, slots, upto)
             # the faster of the timings before and after run --follow's catch-up
             result["delivery_changes_per_s"] = max(rates)
-            for name, (changes, took) in (("follow", (follow_changes, follow_took)),
+            for name, (changes, took) in (("follow", (caught_up.changes, caught_up.seconds)),
                                           ("stream", catchup_stream(stream, spark))):
                 result[f"{name}_catchup_changes_per_s"] = changes / took
                 result[f"ratio_{name}_catchup_to_delivery"] = changes / took / result["delivery_changes_per_s"]
