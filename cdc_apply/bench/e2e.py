@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import resource
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -58,6 +59,10 @@ class CatchUp(NamedTuple):
     # ... of it, the replication loop's thread (receive, split, decode, assembly; under
     # ``confirm_after: changelog`` also the wait for the log's append)
     loop_cpu_seconds: float
+    # ... of the process's CPU, the kernel's share, and the minor page faults behind most of it: each
+    # first touch of memory the process had not used yet (or had given back) costs a fault
+    driver_system_seconds: float
+    minor_faults: int
 
     def us_per_change(self, cpu_seconds: float) -> float:
         return cpu_seconds / max(self.changes, 1) * 1e6
@@ -147,7 +152,7 @@ def backlog(server: PgServer, seconds: float, sessions: int, seed: int = 2) -> i
 
 def catchup_follow(server: PgServer, config: Config, spark: SparkSession, last_end: int) -> CatchUp:
     """``run --follow`` over the slot's backlog up to ``last_end``, the end of its last transaction."""
-    cpu_started = time.process_time()
+    cpu_started, usage_started = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     pipeline = BackgroundReplicator(config, spark).start()
     assert pipeline.thread.ident is not None
@@ -155,11 +160,12 @@ def catchup_follow(server: PgServer, config: Config, spark: SparkSession, last_e
     wait_until_caught_up(server.dsn, config.source.slot, 1800, running=pipeline.thread.is_alive, lsn=last_end)
     confirmed = time.perf_counter() - started
     driver_cpu, loop_cpu = time.process_time() - cpu_started, time.clock_gettime(loop_clock)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     pipeline.wait_caught_up(timeout=1800, lsn=last_end)
     seconds = time.perf_counter() - started
     pipeline.finish()
     return CatchUp(sum(b.changes for b in pipeline.replicator.summary.batches), confirmed, seconds, driver_cpu,
-                   loop_cpu)
+                   loop_cpu, usage.ru_stime - usage_started.ru_stime, usage.ru_minflt - usage_started.ru_minflt)
 
 
 def _on_connect(server: PgServer, config: Config, seconds: float, rate: float, sessions: int) -> dict[str, float]:
@@ -272,6 +278,8 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
                 "catchup_changes_per_s": caught_up.changes / caught_up.seconds,
                 "catchup_driver_us_per_change": caught_up.us_per_change(caught_up.driver_cpu_seconds),
                 "catchup_loop_us_per_change": caught_up.us_per_change(caught_up.loop_cpu_seconds),
+                "catchup_system_us_per_change": caught_up.us_per_change(caught_up.driver_system_seconds),
+                "catchup_minor_faults_per_change": caught_up.minor_faults / max(caught_up.changes, 1),
             }
             if changelog:
                 result.update(_changelog_phases(server, with_changelog(config), spark, seconds, rate, sessions, phases))
@@ -308,7 +316,9 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
           f"({caught_up.changes:,} changes in {caught_up.seconds:.2f} s)  "
           f"ratio {result['ratio_catchup_to_delivery']:.3f}x (goal >= 0.4x)")
     print(f"  driver CPU per change  {result['catchup_driver_us_per_change']:.1f} us over the catch-up (this "
-          f"process, every thread), of it the replication loop's thread {result['catchup_loop_us_per_change']:.1f} us")
+          f"process, every thread), of it the replication loop's thread {result['catchup_loop_us_per_change']:.1f} us; "
+          f"system time {result['catchup_system_us_per_change']:.1f} us, "
+          f"{result['catchup_minor_faults_per_change']:.2f} minor page faults per change")
     if changelog:
         _print_changelog(result)
     if connect:
@@ -354,6 +364,8 @@ def _changelog_phases(server: PgServer, config: Config, spark: SparkSession, sec
         "ratio_changelog_targets_catchup_to_delivery": caught_up.changes / caught_up.seconds / delivery,
         "confirmed_driver_us_per_change": caught_up.us_per_change(caught_up.driver_cpu_seconds),
         "confirmed_loop_us_per_change": caught_up.us_per_change(caught_up.loop_cpu_seconds),
+        "confirmed_system_us_per_change": caught_up.us_per_change(caught_up.driver_system_seconds),
+        "confirmed_minor_faults_per_change": caught_up.minor_faults / max(caught_up.changes, 1),
     }
 
 
@@ -370,4 +382,5 @@ def _print_changelog(result: dict[str, float]) -> None:
           f"{result['ratio_catchup_to_delivery']:.3f}x)")
     print(f"  driver CPU per change  {result['confirmed_driver_us_per_change']:.1f} us until confirmed (this process, "
           f"every thread; goal <= 6 us), of it the replication loop's thread "
-          f"{result['confirmed_loop_us_per_change']:.1f} us")
+          f"{result['confirmed_loop_us_per_change']:.1f} us; system time {result['confirmed_system_us_per_change']:.1f} us, "
+          f"{result['confirmed_minor_faults_per_change']:.2f} minor page faults per change")
