@@ -25,13 +25,20 @@ from cdc_apply.spark.session import spark_conf
 
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
+# A server runs many small commands, each planned afresh for its client: generating their projections'
+# code (Spark's comment-stripping regex, then Janino) was most of its executors' time, and interpreted
+# expressions halved `bench e2e --connect`'s lag (docs/spark.md, "The Connect server's settings").
+# The config's ``spark`` section overrides it.
+SERVER_DEFAULTS = {"spark.sql.codegen.factoryMode": "NO_CODEGEN"}
+
 
 def server_command(port: int, overrides: Mapping[str, str] | None = None) -> list[str]:
     import pyspark
 
     home = os.path.dirname(os.path.realpath(pyspark.__file__))
     command = [os.path.join(home, "bin", "spark-submit"), "--class", SERVER_CLASS]
-    for key, value in {**spark_conf(overrides), "spark.connect.grpc.binding.port": str(port)}.items():
+    confs = {**spark_conf({**SERVER_DEFAULTS, **(overrides or {})}), "spark.connect.grpc.binding.port": str(port)}
+    for key, value in confs.items():
         if key == "spark.driver.extraJavaOptions":
             command += ["--driver-java-options", value]
         else:
