@@ -26,7 +26,7 @@ from cdc_apply.spark.session import spark_conf
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
 # A server runs many small commands, each planned afresh for its client: generating their projections'
-# code (Spark's comment-stripping regex, then Janino) was most of its executors' time, and interpreted
+# code (Spark's comment-stripping regex, then Janino) took much of its executors' time, and interpreted
 # expressions halved `bench e2e --connect`'s lag (docs/spark.md, "The Connect server's settings").
 # The config's ``spark`` section overrides it.
 SERVER_DEFAULTS = {"spark.sql.codegen.factoryMode": "NO_CODEGEN"}
