@@ -107,8 +107,9 @@ def typed_frame(spark: SparkSession, arrays: Mapping[str, pa.Array], data_types:
     schema = from_arrow_schema(table.schema) if table.num_rows == 0 else None
     frame = spark.createDataFrame(table, schema=schema)
     # Arrow cannot say timestamp_ntz or every Spark type exactly: cast to the target's types.
+    # The table's names are the frame's: no schema round trip (an analysis on a Connect server).
     return frame.select([F.col(quote(n)).cast(data_types[n]).alias(n) if n in data_types else F.col(quote(n))
-                         for n in frame.columns])
+                         for n in table.column_names])
 
 
 def arrow_column(name: str, values: list[Any], spark_type: str) -> pa.Array:
@@ -176,8 +177,7 @@ def _append(target: Target, commit: DataCommit, rows: DataFrame, overwrite: bool
             and target.append_known_version(rows, commit.app_id, commit.version, commit.user_metadata,
                                             commit.unwritten_at):
         return
-    with commit.checked(target.spark):
-        target.write(rows, "overwrite" if overwrite else "append")
+    target.write(rows, "overwrite" if overwrite else "append", **commit.write_options())
 
 
 def new_rows(source: DataFrame, options: TableOptions) -> DataFrame:

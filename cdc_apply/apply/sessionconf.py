@@ -1,5 +1,10 @@
-"""One Delta data commit's identity: the session confs set for exactly that commit (commit info and
-transaction identifiers), and ``DataCommit``, which carries them to the writers."""
+"""One Delta data commit's identity (commit info and transaction identifiers): the session confs set
+for exactly that commit (a MERGE, UPDATE, DELETE), the writer options of an append, and
+``DataCommit``, which carries them to the writers.
+
+An append takes the writer options (Delta's ``txnAppId``/``txnVersion``/``userMetadata``): they
+belong to that one write, where the confs are session state set and unset around it, six more round
+trips to a Spark Connect server per append."""
 
 from __future__ import annotations
 
@@ -38,6 +43,15 @@ def delta_commit_conf(spark: SparkSession, app_id: str | None, version: int, use
     return session_conf(spark, conf)
 
 
+def delta_write_options(app_id: str | None, version: int, user_metadata: str) -> dict[str, str]:
+    """The Delta writer options of an append that Delta skips if ``app_id`` already committed
+    ``version`` or later (``app_id=None``: no transaction identifier, as ``delta_commit_conf``)."""
+    options = {"userMetadata": user_metadata}
+    if app_id is not None:
+        options |= {"txnAppId": app_id, "txnVersion": str(version)}
+    return options
+
+
 @dataclass(frozen=True)
 class DataCommit:
     """Who makes a table's one data commit of a batch: the writer identity Delta records (None: an
@@ -53,3 +67,7 @@ class DataCommit:
     def checked(self, spark: SparkSession) -> AbstractContextManager[None]:
         """The session confs under which Delta checks the version and records it."""
         return delta_commit_conf(spark, self.app_id, self.version, self.user_metadata)
+
+    def write_options(self) -> dict[str, str]:
+        """The writer options under which Delta checks the version of an append and records it."""
+        return delta_write_options(self.app_id, self.version, self.user_metadata)

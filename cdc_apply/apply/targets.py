@@ -212,7 +212,7 @@ class Target:
         On a classic session, committed as a ``KnownVersionAppend`` of no files, opened at the log
         version whose SetTransactions were read: an empty append under the commit confs is a Spark
         job, and Delta's check may rebuild the table state. Seconds of each table's initial copy."""
-        from cdc_apply.apply.sessionconf import delta_commit_conf
+        from cdc_apply.apply.sessionconf import delta_write_options
 
         state = self.log()
         held = state.writers.get(app_id)
@@ -222,8 +222,7 @@ class Target:
         if append is not None:
             append.commit(version, user_metadata)
             return
-        with delta_commit_conf(self.spark, app_id, version, user_metadata):  # Delta checks
-            self.write(self.read().limit(0), "append")
+        self.write(self.read().limit(0), "append", **delta_write_options(app_id, version, user_metadata))  # Delta checks
 
     def fence(self, app_id: str) -> None:
         """On a Spark Connect session, before this process first reads ``app_id``'s version here: an

@@ -67,6 +67,9 @@ class CatchUp(NamedTuple):
     def us_per_change(self, cpu_seconds: float) -> float:
         return cpu_seconds / max(self.changes, 1) * 1e6
 
+    def faults_per_change(self) -> float:
+        return self.minor_faults / max(self.changes, 1)
+
 
 def _delivery(server: PgServer, config: Config, slot: str, upto: int) -> Delivery:
     """DML messages the walsender sends for the slot up to ``upto``, the seconds it takes, and the
@@ -279,7 +282,7 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
                 "catchup_driver_us_per_change": caught_up.us_per_change(caught_up.driver_cpu_seconds),
                 "catchup_loop_us_per_change": caught_up.us_per_change(caught_up.loop_cpu_seconds),
                 "catchup_system_us_per_change": caught_up.us_per_change(caught_up.driver_system_seconds),
-                "catchup_minor_faults_per_change": caught_up.minor_faults / max(caught_up.changes, 1),
+                "catchup_minor_faults_per_change": caught_up.faults_per_change(),
             }
             if changelog:
                 result.update(_changelog_phases(server, with_changelog(config), spark, seconds, rate, sessions, phases))
@@ -365,7 +368,7 @@ def _changelog_phases(server: PgServer, config: Config, spark: SparkSession, sec
         "confirmed_driver_us_per_change": caught_up.us_per_change(caught_up.driver_cpu_seconds),
         "confirmed_loop_us_per_change": caught_up.us_per_change(caught_up.loop_cpu_seconds),
         "confirmed_system_us_per_change": caught_up.us_per_change(caught_up.driver_system_seconds),
-        "confirmed_minor_faults_per_change": caught_up.minor_faults / max(caught_up.changes, 1),
+        "confirmed_minor_faults_per_change": caught_up.faults_per_change(),
     }
 
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cdc_apply.apply.sessionconf import delta_commit_conf
+from cdc_apply.apply.sessionconf import delta_write_options
 from cdc_apply.apply.files import WrittenFile
 from cdc_apply.apply.delta_internal import FileAppend, KnownVersionAppend
 from cdc_apply.apply.targets import Target, sql_string
@@ -198,8 +198,8 @@ class ChangeLog:
             append.commit(version, self._metadata(transactions, rows))
         else:  # the table's columns are not this layout's: Delta's own checked append says why
             table = self._table([b for batches in self._parts(transactions) for b in batches])
-            with delta_commit_conf(self.spark, self.app_id, version, self._metadata(transactions, table.num_rows)):
-                self.target.write(self.spark.createDataFrame(table, SPARK_DDL), "append")
+            self.target.write(self.spark.createDataFrame(table, SPARK_DDL), "append",
+                              **delta_write_options(self.app_id, version, self._metadata(transactions, table.num_rows)))
             rows = table.num_rows
         if self.pieces_written:
             log.info("change log: %d rows, %d piece(s) of spilled transactions, in one commit", rows,

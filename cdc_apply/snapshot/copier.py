@@ -348,12 +348,13 @@ class Snapshotter:
     def _write_copied(target: Target, frame: DataFrame, metadata: str, merge_keys: tuple[str, ...]) -> int:
         """One commit of copied rows: appended, or merged by ``merge_keys`` (a resumed copy's rows);
         returns how many rows it wrote (from the commit's metrics)."""
-        with DataCommit(None, 0, metadata).checked(target.spark):
-            if merge_keys:
-                condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in merge_keys)
+        commit = DataCommit(None, 0, metadata)
+        if merge_keys:
+            condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in merge_keys)
+            with commit.checked(target.spark):
                 target.merge(frame, condition).when_matched_update_all().when_not_matched_insert_all().execute()
-            else:
-                target.write(frame, "append")
+        else:
+            target.write(frame, "append", **commit.write_options())
         metrics = target.last_commit().operationMetrics or {}
         if merge_keys:
             return int(metrics.get("numTargetRowsInserted", 0)) + int(metrics.get("numTargetRowsUpdated", 0))
