@@ -210,7 +210,7 @@ class Target:
         skipped when ``app_id`` holds ``version`` or later already, as Delta's own check would.
 
         On a classic session, committed as a ``KnownVersionAppend`` of no files, opened at the log
-        version whose SetTransactions were read: an empty append under the commit confs is a Spark
+        version whose SetTransactions were read: an empty append Delta checks is a Spark
         job, and Delta's check may rebuild the table state. Seconds of each table's initial copy."""
         from cdc_apply.apply.sessionconf import delta_write_options
 
