@@ -39,13 +39,13 @@ def test_server_listens_reads_host_and_port_from_a_connect_url() -> None:
     assert not server_listens("sc://127.0.0.1:not-a-port")
 
 
-def test_the_connect_server_interprets_expressions_unless_the_config_says_otherwise() -> None:
+def test_the_connect_server_generates_code_unless_the_config_says_otherwise() -> None:
     from cdc_apply.spark.connect_server import server_command
 
     def factory_mode(command: list[str]) -> list[str]:
         return [arg for arg in command if arg.startswith("spark.sql.codegen.factoryMode=")]
 
-    assert factory_mode(server_command(15002)) == ["spark.sql.codegen.factoryMode=NO_CODEGEN"]
-    overridden = server_command(15002, {"spark.sql.codegen.factoryMode": "FALLBACK"})
-    assert factory_mode(overridden) == ["spark.sql.codegen.factoryMode=FALLBACK"]
+    assert factory_mode(server_command(15002)) == []  # Spark's default: generated code, interpreted where it fails
+    overridden = server_command(15002, {"spark.sql.codegen.factoryMode": "NO_CODEGEN"})
+    assert factory_mode(overridden) == ["spark.sql.codegen.factoryMode=NO_CODEGEN"]
     assert overridden[overridden.index("spark.connect.grpc.binding.port=15002") - 1] == "--conf"

@@ -25,11 +25,9 @@ from cdc_apply.spark.session import spark_conf
 
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
-# A server runs many small commands, each planned afresh for its client: generating their projections'
-# code (Spark's comment-stripping regex, then Janino) took much of its executors' time, and interpreted
-# expressions halved `bench e2e --connect`'s lag (docs/spark.md, "The Connect server's settings").
-# The config's ``spark`` section overrides it.
-SERVER_DEFAULTS = {"spark.sql.codegen.factoryMode": "NO_CODEGEN"}
+# The server keeps Spark's own code generation. Interpreted expressions (the config's ``spark`` section:
+# ``spark.sql.codegen.factoryMode: NO_CODEGEN``) halved `bench e2e --connect`'s lag on its small tables
+# but made MERGEs into a 10-million-row table 1.5-4.3x slower (docs/spark.md, "The Connect server's settings").
 
 
 def server_command(port: int, overrides: Mapping[str, str] | None = None) -> list[str]:
@@ -37,7 +35,7 @@ def server_command(port: int, overrides: Mapping[str, str] | None = None) -> lis
 
     home = os.path.dirname(os.path.realpath(pyspark.__file__))
     command = [os.path.join(home, "bin", "spark-submit"), "--class", SERVER_CLASS]
-    confs = {**spark_conf({**SERVER_DEFAULTS, **(overrides or {})}), "spark.connect.grpc.binding.port": str(port)}
+    confs = {**spark_conf(overrides), "spark.connect.grpc.binding.port": str(port)}
     for key, value in confs.items():
         if key == "spark.driver.extraJavaOptions":
             command += ["--driver-java-options", value]
