@@ -27,6 +27,8 @@ class _Strict(BaseModel):
 MAX_IDENTIFIER_BYTES = 63
 # Bounds that keep a typo (1e35) from reaching the pipeline as a number nothing can honour.
 MAX_CHANGES = 100_000_000
+# Rows from which a frame is staged as Parquet (apply/staging.py): measured where staging starts to pay
+DEFAULT_STAGING_ROWS = 20_000
 MAX_SECONDS = 86_400.0
 MAX_BYTES = 2**40
 
@@ -198,6 +200,9 @@ class TargetConfig(_Strict):
     # On a classic session: two commits through Delta's internal classes (apply/delta_internal.py).
     # false: public APIs only, as on a Spark Connect session.
     delta_internals: bool = True
+    # A frame of at least this many rows reaches Spark as a Parquet file under the warehouse, not as
+    # rows sent from the driver (apply/staging.py); 0: never.
+    staging_rows: int = Field(DEFAULT_STAGING_ROWS, ge=0, le=MAX_CHANGES)
 
     @field_validator("path_template", "name_template")
     @classmethod

@@ -38,7 +38,12 @@ from tests.test_live import assert_delta_equals_postgres
 pytestmark = pytest.mark.spark
 
 TABLES = {"public.orders": ["id", "amount", "note", "n2"], "public.logbook": ["line"], "public.scratch": ["line"],
-          "public.soft": ["id", "v"]}
+          "public.soft": ["id", "v"],
+          "public.kinds": ["id", "ts", "tstz", "d", "n", "arr", "js", "b", "nothing", "flag", "u"]}
+# Every frame of two rows or more is staged as Parquet (apply/staging.py): these types make the trip
+# through a Parquet file the client writes and the server reads (timestamp without a time zone, arrays,
+# a column that is null in every row, numerics, bytes).
+STAGING = {"staging_rows": 2}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +54,7 @@ def connect(connect_with_s3):  # type: ignore[no-untyped-def]
 def _write_config(path: Path, conninfo: str, warehouse: Path, spark: dict[str, str], **sections: object) -> Path:
     path.write_text(json.dumps({
         "pipeline": "cx", "source": {"dsn": conninfo, "slot": "cx", "create_publication": True},
-        "target": {"warehouse": str(warehouse), **sections.pop("target", {})},  # type: ignore[dict-item]
+        "target": {"warehouse": str(warehouse), **STAGING, **sections.pop("target", {})},  # type: ignore[dict-item]
         "defaults": {"schema_policy": "evolve"}, "snapshot": {"range_pages": 2},
         "tables": {"public.soft": {"delete_mode": "soft"}, "public.hist": {"scd_type": 2}},
         "spark": spark, **sections}))
@@ -76,6 +81,13 @@ def _workload(conn: psycopg.Connection, step: int) -> None:
         conn.execute("INSERT INTO scratch VALUES ('gone'), ('gone')")
         conn.execute("INSERT INTO soft SELECT g, 'v' || g FROM generate_series(1, 20) g")
         conn.execute("INSERT INTO hist VALUES (1, 'a'), (2, 'b')")
+        conn.execute("CREATE TABLE kinds (id int PRIMARY KEY, ts timestamp, tstz timestamptz, d date, n numeric(20,5), "
+                     "arr int[], js jsonb, b bytea, nothing text, flag boolean, u uuid)")
+        conn.execute("INSERT INTO kinds SELECT g, timestamp '2024-02-29 23:59:59.123456' + g * interval '1 hour', "
+                     "timestamptz '1999-12-31 23:00:00+05' - g * interval '1 minute', date '0001-01-01' + g * 400, "
+                     "g * 12345.67891, ARRAY[g, NULL, -g], jsonb_build_object('k', g, 'l', ARRAY[g]), "
+                     "decode(lpad(to_hex(g), 8, '0'), 'hex'), NULL, g % 2 = 0, gen_random_uuid() "
+                     "FROM generate_series(1, 30) g")
         return
     conn.execute("UPDATE orders SET amount = amount + 1 WHERE id % 3 = 0")
     conn.execute("DELETE FROM orders WHERE id > 1990")
@@ -89,6 +101,9 @@ def _workload(conn: psycopg.Connection, step: int) -> None:
     conn.execute("UPDATE soft SET v = 'changed' WHERE id = 6")
     conn.execute("UPDATE hist SET v = 'a2' WHERE id = 1")
     conn.execute("DELETE FROM hist WHERE id = 2")
+    conn.execute("UPDATE kinds SET ts = ts + interval '1 day', arr = arr || 9, n = -n WHERE id % 2 = 0")
+    conn.execute("INSERT INTO kinds (id) SELECT g FROM generate_series(31, 40) g")  # every other column null
+    conn.execute("DELETE FROM kinds WHERE id % 5 = 0")
 
 
 def _assert_equal(spark, conn: psycopg.Connection, warehouse: Path) -> None:  # type: ignore[no-untyped-def]
@@ -165,6 +180,9 @@ def test_run_once_copies_streams_and_evolves_through_public_apis(mode, db18, spa
             assert "fenced" in json.loads((warehouse / "_cdc_apply" / "clean_stop" / "cx.json").read_text())
         assert len(spark.sql(f"DESCRIBE HISTORY delta.`{warehouse}/public/orders`").collect()) == len(orders)
         _assert_equal(spark, conn, warehouse)
+        # Frames were staged (the folder is made by the first), and each file went once its command ran.
+        staging = warehouse / "_cdc_apply" / "staging" / "cx"
+        assert staging.is_dir() and not list(staging.iterdir())
 
 
 # A user's own streaming query on a Connect session. Run in a process of its own: a Connect session

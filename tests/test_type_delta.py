@@ -29,13 +29,15 @@ def _same(left: object, right: object) -> bool:
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["text", "binary"])
-@pytest.mark.parametrize("batches", ["one", "columnar"])
+@pytest.mark.parametrize("batches", ["one", "columnar", "staged"])
 def test_every_type_lands_in_delta_unchanged(captured, spark, tmp_path, binary, batches) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """``columnar``: the first rows create the target, then the other inserts are new rows only,
-    appended straight from Arrow (apply/columnar.py) instead of through the collapse."""
+    appended straight from Arrow (apply/columnar.py) instead of through the collapse. ``staged``: the
+    same, every frame staged as a Parquet file (apply/staging.py)."""
     columns, truth, decoded, captures, _ = captured
     two_dimensional = next(name for name, type_name in columns.items() if type_name == "int4[]")
-    options = ApplyOptions(warehouse=str(tmp_path), defaults=TableOptions(columns_exclude=(two_dimensional,)))
+    options = ApplyOptions(warehouse=str(tmp_path), defaults=TableOptions(columns_exclude=(two_dimensional,)),
+                           staging_rows=1 if batches == "staged" else 0)
     applier = BatchApplier(spark, options)
     transactions = list(Assembler().transactions(captures[binary]))
     if batches == "one":
@@ -45,6 +47,8 @@ def test_every_type_lands_in_delta_unchanged(captured, spark, tmp_path, binary, 
         assert not applier.apply(transactions[:2]).tables[0].columnar
         rest = applier.apply(transactions[2:]).tables[0]
         assert rest.columnar and rest.write == "append" and rest.keys_written == len(transactions) - 2
+        staged = tmp_path / "_cdc_apply" / "staging" / "cdc_apply"
+        assert (batches == "staged") == staged.is_dir() and not (staged.is_dir() and list(staged.iterdir()))
     frame = spark.read.format("delta").load(f"{tmp_path}/public/typed")
     fields = {f.name: f.dataType for f in frame.schema.fields}
     names = ["id", *(n for n in columns if n != two_dimensional)]

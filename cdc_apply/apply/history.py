@@ -22,6 +22,7 @@ import pyarrow as pa
 from cdc_apply.apply.collapse import ColumnValues, Collapser, Key, KeyState, TruncateMark
 from cdc_apply.apply.merge import OP, arrow_column, fetch_target_rows, typed_frame
 from cdc_apply.apply.sessionconf import DataCommit
+from cdc_apply.apply.staging import staging_scope
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, CURRENT, VALID_FROM, VALID_TO
 from cdc_apply.apply.targets import Target, quote
 from cdc_apply.errors import CdcApplyError
@@ -130,18 +131,19 @@ def merge_history(target: Target, collapser: HistoryCollapser, data_types: Mappi
     arrays[COMMIT_TS] = pa.array([None] * len(closes) + [v.state.commit_ts for v in found],
                                  pa.timestamp("us", tz="UTC"))
     arrays[VALID_TO] = pa.array([None] * len(closes) + [v.valid_to for v in found], pa.timestamp("us", tz="UTC"))
-    source = typed_frame(spark, arrays, data_types)
-    condition = f"s.{OP} = 'C' AND t.{CURRENT} AND " + " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys)
-    inserts = {quote(n): f"s.{quote(n)}" for n in data_types} | {
-        quote(COMMIT_LSN): f"s.{COMMIT_LSN}", quote(COMMIT_TS): f"s.{COMMIT_TS}",
-        quote(VALID_FROM): f"s.{COMMIT_TS}", quote(VALID_TO): f"s.{VALID_TO}",
-        quote(CURRENT): f"s.{VALID_TO} IS NULL"}
-    merge = (target.merge(source, condition)
-             .when_matched_update(None, {quote(VALID_TO): f"s.{CLOSE_TS}", quote(CURRENT): "false"})
-             .when_not_matched_insert(f"s.{OP} = 'I'", inserts))
-    truncate = collapser.result.truncate
-    if truncate is not None:
-        merge = merge.when_not_matched_by_source_update(
-            f"t.{CURRENT}", {quote(VALID_TO): f"timestamp_micros({truncate.commit_ts})", quote(CURRENT): "false"})
-    with commit.checked(spark):
-        merge.execute()
+    with staging_scope():  # the staged source lives until the MERGE has run
+        source = typed_frame(spark, arrays, data_types, target.staging)
+        condition = f"s.{OP} = 'C' AND t.{CURRENT} AND " + " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys)
+        inserts = {quote(n): f"s.{quote(n)}" for n in data_types} | {
+            quote(COMMIT_LSN): f"s.{COMMIT_LSN}", quote(COMMIT_TS): f"s.{COMMIT_TS}",
+            quote(VALID_FROM): f"s.{COMMIT_TS}", quote(VALID_TO): f"s.{VALID_TO}",
+            quote(CURRENT): f"s.{VALID_TO} IS NULL"}
+        merge = (target.merge(source, condition)
+                 .when_matched_update(None, {quote(VALID_TO): f"s.{CLOSE_TS}", quote(CURRENT): "false"})
+                 .when_not_matched_insert(f"s.{OP} = 'I'", inserts))
+        truncate = collapser.result.truncate
+        if truncate is not None:
+            merge = merge.when_not_matched_by_source_update(
+                f"t.{CURRENT}", {quote(VALID_TO): f"timestamp_micros({truncate.commit_ts})", quote(CURRENT): "false"})
+        with commit.checked(spark):
+            merge.execute()

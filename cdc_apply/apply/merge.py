@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from cdc_apply.apply.collapse import Collapsed, Key
 from cdc_apply.apply.sessionconf import DataCommit
+from cdc_apply.apply.staging import NO_STAGING, Staging, staging_scope
 from cdc_apply.apply.columnar import CollapsedColumns
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED, KEEP, OP, TableOptions
 from cdc_apply.apply.targets import Target, quote, sql_string
@@ -39,8 +40,10 @@ def fetch_target_rows(target: Target, keys: Sequence[str], wanted: Iterable[Key]
     table = target.read()
     if where:
         table = table.where(where)
-    probe, on = _key_probe(target, table, wanted, keys, target.data_types())
-    return {tuple(row[k] for k in keys): row.asDict() for row in table.join(probe, on=on, how="left_semi").collect()}
+    with staging_scope():
+        probe, on = _key_probe(target, table, wanted, keys, target.data_types())
+        found = table.join(probe, on=on, how="left_semi").collect()
+    return {tuple(row[k] for k in keys): row.asDict() for row in found}
 
 
 def _key_probe(target: Target, table: DataFrame, wanted: list[Key], keys: Sequence[str],
@@ -52,7 +55,7 @@ def _key_probe(target: Target, table: DataFrame, wanted: list[Key], keys: Sequen
     arrays = {f"_cdc_k{i}": arrow_column(name, [key[i] for key in wanted], data_types[name])
               for i, name in enumerate(keys)}
     arrays["_cdc_i"] = pa.array(range(len(wanted)), pa.int64())
-    probe = typed_frame(target.spark, arrays, probe_types)
+    probe = typed_frame(target.spark, arrays, probe_types, target.staging)
     return probe, [table[quote(k)].eqNullSafe(probe[f"_cdc_k{i}"]) for i, k in enumerate(keys)]
 
 
@@ -71,7 +74,8 @@ def fill_from_other_rows(target: Target, collapsed: Collapsed, keys: Sequence[st
             state.from_target, state.source_key = (), None
 
 
-def source_frame(spark: SparkSession, collapsed: Collapsed, data_types: Mapping[str, str]) -> DataFrame:
+def source_frame(spark: SparkSession, collapsed: Collapsed, data_types: Mapping[str, str],
+                 staging: Staging = NO_STAGING) -> DataFrame:
     columns: dict[str, list[Any]] = {name: [] for name in data_types}
     ops: list[str] = []
     keeps: list[list[str] | None] = []
@@ -93,19 +97,17 @@ def source_frame(spark: SparkSession, collapsed: Collapsed, data_types: Mapping[
     arrays[KEEP] = pa.array(keeps, pa.list_(pa.string()))
     arrays[COMMIT_LSN] = pa.array(lsns, pa.int64())
     arrays[COMMIT_TS] = pa.array(timestamps, pa.timestamp("us", tz="UTC"))
-    return typed_frame(spark, arrays, data_types)
+    return typed_frame(spark, arrays, data_types, staging)
 
 
-def typed_frame(spark: SparkSession, arrays: Mapping[str, pa.Array], data_types: Mapping[str, str]) -> DataFrame:
-    """A DataFrame of Arrow columns, the data columns cast to the target's types."""
+def typed_frame(spark: SparkSession, arrays: Mapping[str, pa.Array], data_types: Mapping[str, str],
+                staging: Staging = NO_STAGING) -> DataFrame:
+    """A DataFrame of Arrow columns, the data columns cast to the target's types. A large one is
+    staged as Parquet (``staging``): inside a ``staging_scope`` around the commands that read it."""
     from pyspark.sql import functions as F
-    from pyspark.sql.pandas.types import from_arrow_schema
 
     table = pa.table(dict(arrays))
-    # A Spark Connect session infers no schema from a table of no rows (CANNOT_INFER_EMPTY_SCHEMA): a
-    # keyless target overwritten by a truncate with nothing after it. Arrow's schema, as Spark maps it.
-    schema = from_arrow_schema(table.schema) if table.num_rows == 0 else None
-    frame = spark.createDataFrame(table, schema=schema)
+    frame = staging.frame(spark, table)
     # Arrow cannot say timestamp_ntz or every Spark type exactly: cast to the target's types.
     # The table's names are the frame's: no schema round trip (an analysis on a Connect server).
     return frame.select([F.col(quote(n)).cast(data_types[n]).alias(n) if n in data_types else F.col(quote(n))
@@ -148,11 +150,18 @@ def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[st
     batch of new rows only: ``Collapsed.new_rows_only``), so a plain append writes it. ``columnar``:
     the batch collapsed as columns already (``apply/columnar.py``), in place of ``collapsed``'s states;
     ``frame``: collapsed by Spark, the same columns as a DataFrame."""
+    with staging_scope():
+        _merge_collapsed(target, collapsed, data_types, keys, options, commit, append, columnar, frame)
+
+
+def _merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[str, str], keys: Sequence[str],
+                     options: TableOptions, commit: DataCommit, append: bool, columnar: CollapsedColumns | None,
+                     frame: DataFrame | None) -> None:
     spark = target.spark
     if frame is not None:
         source, kept = frame, frozenset(name for name in data_types if name not in keys)
     elif columnar is not None:
-        source = typed_frame(spark, columnar.columns, data_types)
+        source = typed_frame(spark, columnar.columns, data_types, target.staging)
         kept = columnar.kept
     elif collapsed.multiplicity is not None:
         _write_multiset(target, collapsed, data_types, keys, commit)
@@ -160,7 +169,7 @@ def merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[st
     else:
         if not append:
             fill_from_other_rows(target, collapsed, keys)
-        source = source_frame(spark, collapsed, data_types)
+        source = source_frame(spark, collapsed, data_types, target.staging)
         kept = frozenset(name for state in collapsed.states.values() if not state.deleted
                          for name in (*state.from_target, *(n for n in data_types if n not in state.values)))
     if not keys or append:
@@ -211,7 +220,7 @@ def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[st
             if delta < 0:
                 raise CdcApplyError(f"{where}: a row removed after the truncate was never there")
             copies(key, delta)
-        _append(target, commit, _entries_frame(target.spark, entries, data_types).drop(OP), overwrite=True)
+        _append(target, commit, _entries_frame(target, entries, data_types).drop(OP), overwrite=True)
         return
     removing = [key for key, delta in counts.items() if delta < 0]
     current = _target_counts(target, removing, keys, data_types) if removing else {}
@@ -226,7 +235,7 @@ def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[st
         copies(key, remaining)
         state = states[key]
         entries.append((dict(zip(keys, key)), "D", state.commit_lsn, state.commit_ts))
-    source = _entries_frame(target.spark, entries, data_types)
+    source = _entries_frame(target, entries, data_types)
     if not removing:
         _append(target, commit, source.drop(OP))
         return
@@ -237,14 +246,14 @@ def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[st
          .when_matched_delete().when_not_matched_insert(f"s.{OP} = 'U'", inserts).execute())
 
 
-def _entries_frame(spark: SparkSession, entries: list[tuple[dict[str, Any], str, int, int]],
+def _entries_frame(target: Target, entries: list[tuple[dict[str, Any], str, int, int]],
                    data_types: Mapping[str, str]) -> DataFrame:
     arrays = {name: arrow_column(name, [values.get(name) for values, _, _, _ in entries], data_types[name])
               for name in data_types}
     arrays[OP] = pa.array([op for _, op, _, _ in entries], pa.string())
     arrays[COMMIT_LSN] = pa.array([lsn for _, _, lsn, _ in entries], pa.int64())
     arrays[COMMIT_TS] = pa.array([ts for _, _, _, ts in entries], pa.timestamp("us", tz="UTC"))
-    return typed_frame(spark, arrays, data_types)
+    return typed_frame(target.spark, arrays, data_types, target.staging)
 
 
 def _target_counts(target: Target, wanted: list[Key], keys: Sequence[str],
@@ -253,8 +262,10 @@ def _target_counts(target: Target, wanted: list[Key], keys: Sequence[str],
     from pyspark.sql import functions as F
 
     table = target.read()
-    probe, on = _key_probe(target, table, wanted, keys, data_types)
-    found = table.join(probe, on=on, how="inner").groupBy(probe["_cdc_i"]).agg(F.count(F.lit(1)).alias("n")).collect()
+    with staging_scope():
+        probe, on = _key_probe(target, table, wanted, keys, data_types)
+        found = (table.join(probe, on=on, how="inner").groupBy(probe["_cdc_i"])
+                 .agg(F.count(F.lit(1)).alias("n")).collect())
     return {wanted[row["_cdc_i"]]: int(row["n"]) for row in found}
 
 

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from cdc_apply.apply.staging import Staging, pipeline_staging
+from cdc_apply.config import DEFAULT_STAGING_ROWS
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lake.location import PATH_ESCAPE, Location, Storage, path_component  # noqa: F401 - re-exported
 from cdc_apply.lake.state import PipelineState
@@ -85,6 +87,8 @@ class ApplyOptions:
     piece_bytes: int = MAX_PIECE_BYTES
     # Delta's internal classes for two commits on a classic session (apply/delta_internal.py).
     delta_internals: bool = True
+    # Frames of at least this many rows reach Spark as Parquet files (apply/staging.py); 0: never.
+    staging_rows: int = DEFAULT_STAGING_ROWS
 
     def default_target(self, schema: str, table: str) -> tuple[str, bool]:
         """(location, by_name) of a table's target when its options name none.
@@ -109,6 +113,11 @@ class ApplyOptions:
     def state(self) -> PipelineState:
         """The pipeline's own state, beside its targets (``cdc_apply/lake/state.py``)."""
         return PipelineState(self.warehouse_location, self.pipeline, self.storage)
+
+    @property
+    def staging(self) -> Staging:
+        """Where this pipeline's large frames are staged (``<warehouse>/_cdc_apply/staging/<pipeline>``)."""
+        return pipeline_staging(self.state, self.staging_rows)
 
     def column_type(self, schema: str, table: str, column: str) -> str | None:
         """The type the config sets for a source column (``tables.<t>.columns.<c>.type``), or None."""
@@ -142,5 +151,5 @@ def apply_options(config: Config) -> ApplyOptions:
                         path_template=config.target.path_template, name_template=config.target.name_template,
                         optimize_every_commits=config.target.optimize_every_commits,
                         piece_bytes=min(MAX_PIECE_BYTES, config.batching.spill_bytes),
-                        delta_internals=config.target.delta_internals,
+                        delta_internals=config.target.delta_internals, staging_rows=config.target.staging_rows,
                         storage=Storage.from_spark_conf(config.spark))

@@ -18,6 +18,7 @@ from cdc_apply.apply.session_kind import default_parallelism
 from cdc_apply.apply.collapse import Collapsed
 from cdc_apply.apply.columnar import collapsed_columns, segment_rows
 from cdc_apply.apply.merge import new_rows, typed_frame
+from cdc_apply.apply.staging import staging_scope
 from cdc_apply.apply.plan import BatchResult, TablePlan, TableResult, Versioning, appends_new_rows
 from cdc_apply.apply.schema_applier import SchemaApplier
 from cdc_apply.apply.sessionconf import DataCommit
@@ -123,11 +124,13 @@ class PiecewiseAppender:
                                                               plan.known.data_types)
         if columns is None or not columns.new_rows_only:
             return False
-        frame = new_rows(typed_frame(plan.target.spark, columns.columns, plan.known.data_types), plan.options)
-        # Arrow batches become partitions: without this a piece would be written as many small files.
-        frame = frame.coalesce(default_parallelism(plan.target.spark))
-        if not table.append.write(frame):
-            return False
+        with staging_scope():  # the piece's files are written when ``write`` returns
+            frame = new_rows(typed_frame(plan.target.spark, columns.columns, plan.known.data_types,
+                                         plan.target.staging), plan.options)
+            # Arrow batches become partitions: without this a piece would be written as many small files.
+            frame = frame.coalesce(default_parallelism(plan.target.spark))
+            if not table.append.write(frame):
+                return False
         result = table.result
         result.ops.update(columns.op_counts)
         result.keys_written += columns.keys_written

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cdc_apply.apply import delta_internal, fence
+from cdc_apply.apply.staging import NO_STAGING, Staging
 from cdc_apply.apply.delta_log import LogState, commit_actions, log_state
 from cdc_apply.lake.location import FileRoot, Location, Storage
 from cdc_apply.lake.state import TargetRegistry  # noqa: F401 - its home before cdc_apply.lake
@@ -103,8 +104,9 @@ class Target:
     as their fallback."""
 
     def __init__(self, spark: SparkSession, location: str, by_name: bool, storage: Storage | None = None,
-                 internals: bool = True) -> None:
+                 internals: bool = True, staging: Staging = NO_STAGING) -> None:
         self.spark = spark
+        self.staging = staging  # how its large frames reach Spark (apply/staging.py)
         self.location = location
         self.by_name = by_name
         self.storage = storage or Storage()
@@ -338,7 +340,7 @@ class Target:
 
 def target_at(spark: SparkSession, options: ApplyOptions, location: str, by_name: bool) -> Target:
     """The Delta table at ``location`` (or by name), reached with the pipeline's storage and settings."""
-    return Target(spark, location, by_name, options.storage, options.delta_internals)
+    return Target(spark, location, by_name, options.storage, options.delta_internals, options.staging)
 
 
 def sql_string(value: str) -> str:

@@ -40,12 +40,13 @@ import pyarrow.compute as pc
 from cdc_apply.apply.sessionconf import delta_write_options
 from cdc_apply.apply.files import WrittenFile
 from cdc_apply.apply.delta_internal import FileAppend, KnownVersionAppend
+from cdc_apply.apply.staging import pipeline_staging, staging_scope
 from cdc_apply.apply.targets import Target, sql_string
 from cdc_apply.transactions import SpilledChanges, Transaction
 from cdc_apply.config import Config
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lake.location import Location, Storage
-from cdc_apply.lake.state import STATE_DIRECTORY
+from cdc_apply.lake.state import STATE_DIRECTORY, PipelineState
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.changelog.log_files import COPY_XID, MAX_SEQ, CopyLog, write_log_file
@@ -93,10 +94,12 @@ def changelog_target(spark: SparkSession, config: Config, warehouse: str | None 
     ``<warehouse>/_cdc_apply/changelog``."""
     settings = config.changelog
     storage = Storage.from_spark_conf(config.spark)
+    staging = pipeline_staging(PipelineState.at(warehouse or config.target.warehouse, config.pipeline, storage),
+                               config.target.staging_rows)
     if settings.name is not None:
-        return Target(spark, settings.name, True, storage, config.target.delta_internals)
+        return Target(spark, settings.name, True, storage, config.target.delta_internals, staging)
     default = Location.parse(warehouse or config.target.warehouse).child(STATE_DIRECTORY, "changelog")
-    return Target(spark, settings.path or str(default), False, storage, config.target.delta_internals)
+    return Target(spark, settings.path or str(default), False, storage, config.target.delta_internals, staging)
 
 
 def enabled_changelog(spark: SparkSession, config: Config) -> ChangeLog | None:
@@ -198,8 +201,10 @@ class ChangeLog:
             append.commit(version, self._metadata(transactions, rows))
         else:  # the table's columns are not this layout's: Delta's own checked append says why
             table = self._table([b for batches in self._parts(transactions) for b in batches])
-            self.target.write(self.spark.createDataFrame(table, SPARK_DDL), "append",
-                              **delta_write_options(self.app_id, version, self._metadata(transactions, table.num_rows)))
+            with staging_scope():
+                self.target.write(self._frame(table), "append",
+                                  **delta_write_options(self.app_id, version, self._metadata(transactions,
+                                                                                             table.num_rows)))
             rows = table.num_rows
         if self.pieces_written:
             log.info("change log: %d rows, %d piece(s) of spilled transactions, in one commit", rows,
@@ -243,8 +248,9 @@ class ChangeLog:
         for batches in self._parts(transactions):
             table = self._table(batches)
             if table.num_rows:
-                if not append.write(self.spark.createDataFrame(table, SPARK_DDL)):
-                    return None
+                with staging_scope():
+                    if not append.write(self._frame(table)):
+                        return None
                 rows += table.num_rows
         return rows
 
@@ -338,7 +344,12 @@ class ChangeLog:
     def append_copy(self, copy: CopyLog, batches: Sequence[pa.RecordBatch]) -> None:
         """A copy's rows (``CopyLog.by_writer``) appended by Delta's writer in one commit of the log."""
         table = self._table([copy.rows_for_writer(batch) for batch in batches])
-        self.append_copy_frame(copy, self.spark.createDataFrame(table, SPARK_DDL), table.num_rows)
+        with staging_scope():
+            self.append_copy_frame(copy, self._frame(table), table.num_rows)
+
+    def _frame(self, table: pa.Table) -> DataFrame:
+        """The layout's rows as a DataFrame: a large part staged as Parquet (``apply/staging.py``)."""
+        return self.target.staging.frame(self.spark, table, SPARK_DDL)
 
     def append_copy_frame(self, copy: CopyLog, frame: DataFrame, rows: int | None = None) -> None:
         """``frame`` (the layout's rows of a copy, ``CopyLog.rows_for_writer``) appended by Delta's writer

@@ -324,6 +324,19 @@ class Storage:
 
         self._retrying(location, "write", write)
 
+    def write_with(self, location: Location, doing: str, write: Callable[[pa.NativeFile], None]) -> None:
+        """An object (or local file, its directory made) written by ``write(stream)``, written again
+        while the store is away; ``doing`` names it in an error."""
+        filesystem, path = self.filesystem(location)
+        if location.local:
+            location.path().parent.mkdir(parents=True, exist_ok=True)
+
+        def written() -> None:
+            with filesystem.open_output_stream(path) as stream:
+                write(stream)
+
+        self._retrying(location, doing, written)
+
     def delete(self, location: Location) -> None:
         filesystem, path = self.filesystem(location)
         if location.local and not Path(path).exists():
