@@ -339,8 +339,10 @@ class Target:
 
 
 def target_at(spark: SparkSession, options: ApplyOptions, location: str, by_name: bool) -> Target:
-    """The Delta table at ``location`` (or by name), reached with the pipeline's storage and settings."""
-    return Target(spark, location, by_name, options.storage, options.delta_internals, options.staging)
+    """The Delta table at ``location`` (or by name), reached with the pipeline's storage and settings.
+    A table by name stages nothing: its catalog's compute need not reach the warehouse's path."""
+    return Target(spark, location, by_name, options.storage, options.delta_internals,
+                  NO_STAGING if by_name else options.staging)
 
 
 def sql_string(value: str) -> str:

@@ -40,13 +40,13 @@ import pyarrow.compute as pc
 from cdc_apply.apply.sessionconf import delta_write_options
 from cdc_apply.apply.files import WrittenFile
 from cdc_apply.apply.delta_internal import FileAppend, KnownVersionAppend
-from cdc_apply.apply.staging import pipeline_staging, staging_scope
+from cdc_apply.apply.staging import NO_STAGING, pipeline_staging, staging_scope
 from cdc_apply.apply.targets import Target, sql_string
 from cdc_apply.transactions import SpilledChanges, Transaction
 from cdc_apply.config import Config
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lake.location import Location, Storage
-from cdc_apply.lake.state import STATE_DIRECTORY, PipelineState
+from cdc_apply.lake.state import PipelineState
 from cdc_apply.lsn import format_lsn, parse_lsn
 from cdc_apply.pgoutput import messages as m
 from cdc_apply.changelog.log_files import COPY_XID, MAX_SEQ, CopyLog, write_log_file
@@ -94,12 +94,14 @@ def changelog_target(spark: SparkSession, config: Config, warehouse: str | None 
     ``<warehouse>/_cdc_apply/changelog``."""
     settings = config.changelog
     storage = Storage.from_spark_conf(config.spark)
-    staging = pipeline_staging(PipelineState.at(warehouse or config.target.warehouse, config.pipeline, storage),
-                               config.target.staging_rows)
     if settings.name is not None:
-        return Target(spark, settings.name, True, storage, config.target.delta_internals, staging)
-    default = Location.parse(warehouse or config.target.warehouse).child(STATE_DIRECTORY, "changelog")
-    return Target(spark, settings.path or str(default), False, storage, config.target.delta_internals, staging)
+        return Target(spark, settings.name, True, storage, config.target.delta_internals)
+    state = PipelineState.at(warehouse or config.target.warehouse, config.pipeline, storage)
+    path = settings.path or str(state.location("changelog"))
+    # Staged under the warehouse when the log is there too: then Spark, which writes the log, reaches it.
+    staging = pipeline_staging(state, config.target.staging_rows) \
+        if Location.parse(path).is_strictly_under(state.warehouse) else NO_STAGING
+    return Target(spark, path, False, storage, config.target.delta_internals, staging)
 
 
 def enabled_changelog(spark: SparkSession, config: Config) -> ChangeLog | None:
