@@ -3,7 +3,7 @@
 ``spark.createDataFrame(arrow_table)`` on a Spark Connect client sends the rows to the server as a
 local relation, which the server's driver turns into rows one at a time: a 968,941-row Delta append
 took 5.99 s that way, and 1.47 s when the client wrote the rows as one Parquet file and the server
-read it (docs/spark.md, "Large batches on Spark Connect: staged as Parquet"). So a frame of at least
+read it (docs/spark.md, "Large batches staged as Parquet"). So a frame of at least
 ``target.staging_rows`` rows is written to ``<warehouse>/_cdc_apply/staging/<pipeline>/<uuid>.parquet``
 through the warehouse's storage (local or an object store: the server reaches the warehouse, as it
 writes the targets there) and read back with ``spark.read.parquet``.
