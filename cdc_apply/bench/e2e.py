@@ -171,35 +171,62 @@ def catchup_follow(server: PgServer, config: Config, spark: SparkSession, last_e
                    loop_cpu, usage.ru_stime - usage_started.ru_stime, usage.ru_minflt - usage_started.ru_minflt)
 
 
+def _new_targets(config: Config, warehouse: str | None = None, spark: dict[str, str] | None = None,
+                 **target: object) -> Config:
+    """``config`` with new targets in ``warehouse`` (else a new local one) that take the changes from
+    now on (no copy), the same slot; ``target``: other target keys, ``spark``: the ``spark`` section."""
+    warehouse = warehouse or scratch_directory("cdc_apply_bench_again_")
+    return config.model_copy(update={
+        "target": config.target.model_copy(update={"warehouse": warehouse, **target}),
+        "snapshot": config.snapshot.model_copy(update={"enabled": False}),
+        **({"spark": spark} if spark is not None else {})})
+
+
+def _again(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float, sessions: int,
+           seed: int, warm_up: bool, delivery_slot: str) -> dict[str, float]:
+    """The steady load (after a warm-up run when ``warm_up``: a new JVM) and a backlog's catch-up
+    again on ``config``'s targets (``_new_targets``), the backlog's delivery timed on ``delivery_slot``."""
+    if warm_up:
+        steady_follow(server, config, spark, seconds, rate, sessions, seed=seed, first=False)
+    _, steady = steady_follow(server, config, spark, seconds, rate, sessions, seed=seed + 1, first=False)
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        create_slot(conn, delivery_slot)
+    upto = backlog(server, seconds, sessions, seed=seed + 2)
+    delivered = _delivery(server, config, delivery_slot, upto)
+    caught_up = catchup_follow(server, config, spark, delivered.last_end)
+    delivery = delivered.changes / delivered.seconds
+    catchup = caught_up.changes / caught_up.seconds
+    return {"lag_p50_s": steady.lag_percentile(0.5) or 0.0, "lag_p99_s": steady.lag_percentile(0.99) or 0.0,
+            "catchup_changes": caught_up.changes, "catchup_changes_per_s": catchup,
+            "delivery_changes_per_s": delivery, "ratio_catchup_to_delivery": catchup / delivery}
+
+
+def _public_only(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float,
+                 sessions: int) -> dict[str, float]:
+    """The steady load and a backlog's catch-up again on the classic session with Delta's public APIs
+    only (``target.delta_internals: false``): every commit then carries its ``txnAppId`` check, as
+    on Connect, so Connect ÷ this is what Connect itself costs, and this ÷ classic what the
+    internal path buys (docs/spark.md, "What the internal path buys")."""
+    figures = _again(server, _new_targets(config, delta_internals=False), spark, seconds, rate, sessions,
+                     seed=30, warm_up=False, delivery_slot="public_delivery")
+    return {f"public_{key}": value for key, value in figures.items()}
+
+
 def _on_connect(server: PgServer, config: Config, seconds: float, rate: float, sessions: int) -> dict[str, float]:
     """The steady load (a warm-up run, then the measured one) and a backlog's catch-up, as on the
-    classic session, with ``run --follow`` a Connect client: new targets that take the changes from
-    now on (no copy), the same slot."""
+    classic session, with ``run --follow`` a Connect client: new targets, the same slot."""
     from cdc_apply.spark.connect_server import ConnectServer
     from cdc_apply.spark.session import build_spark_session
 
     with ConnectServer({"spark.master": "local[2]"}) as connect_server:
         remote = {"spark.remote": connect_server.url}
-        on_connect = config.model_copy(update={
-            "target": config.target.model_copy(update={"warehouse": scratch_directory("cdc_apply_bench_cx_")}),
-            "snapshot": config.snapshot.model_copy(update={"enabled": False}), "spark": remote})
         client = build_spark_session(remote)
         try:
-            steady_follow(server, on_connect, client, seconds, rate, sessions, seed=20, first=False)  # the server warms up
-            _, steady = steady_follow(server, on_connect, client, seconds, rate, sessions, seed=21, first=False)
-            with psycopg.connect(server.dsn, autocommit=True) as conn:
-                create_slot(conn, "connect_delivery")
-            upto = backlog(server, seconds, sessions, seed=22)
-            delivered = _delivery(server, on_connect, "connect_delivery", upto)
-            caught_up = catchup_follow(server, on_connect, client, delivered.last_end)
-            changes, catchup_seconds = caught_up.changes, caught_up.seconds
+            figures = _again(server, _new_targets(config, spark=remote), client, seconds, rate, sessions,
+                             seed=20, warm_up=True, delivery_slot="connect_delivery")
         finally:
             client.stop()
-    delivery = delivered.changes / delivered.seconds
-    return {"connect_lag_p50_s": steady.lag_percentile(0.5) or 0.0, "connect_lag_p99_s": steady.lag_percentile(0.99) or 0.0,
-            "connect_catchup_changes": changes, "connect_catchup_changes_per_s": changes / catchup_seconds,
-            "connect_delivery_changes_per_s": delivery,
-            "connect_ratio_catchup_to_delivery": changes / catchup_seconds / delivery}
+    return {f"connect_{key}": value for key, value in figures.items()}
 
 
 def with_changelog(config: Config) -> Config:
@@ -254,7 +281,7 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
     on that object store (same server and slot, new targets). ``connect``: the steady load and a
     backlog again on a Spark Connect client of a local Connect server started for it (same server
     and slot, new targets), beside the classic session's figures."""
-    phases = 2 + changelog + (store is not None) + (capacity_steps > 0) + connect
+    phases = 2 + changelog + (store is not None) + (capacity_steps > 0) + 2 * connect
     with PgServer() as server:
         config = prepared(server, "bench", parallel_tables)
         if store is not None:
@@ -288,10 +315,7 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
                 result.update(_changelog_phases(server, with_changelog(config), spark, seconds, rate, sessions, phases))
             if store is not None:
                 print(f"{3 + changelog}/{phases} the steady load again, the warehouse on {store.warehouse} ...", flush=True)
-                # New targets that take the changes from now on: no copy of what the local ones hold.
-                on_store = config.model_copy(update={
-                    "target": config.target.model_copy(update={"warehouse": store.under("e2e")}),
-                    "snapshot": config.snapshot.model_copy(update={"enabled": False})})
+                on_store = _new_targets(config, store.under("e2e"))
                 _, stored = steady_follow(server, on_store, spark, seconds, rate, sessions, seed=7, first=False)
                 result["store_lag_p50_s"] = stored.lag_percentile(0.5) or 0.0
                 result["store_lag_p99_s"] = stored.lag_percentile(0.99) or 0.0
@@ -300,12 +324,19 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
                 print(f"{3 + changelog + (store is not None)}/{phases} capacity: the steady rate doubled from "
                       f"{rate:g} tx/s per session until the lag p99 passes {CAPACITY_LAG_S:g} s (at most {capacity_steps} rates) ...", flush=True)
                 held, _ = capacity(server, config, spark, seconds, rate, sessions, capacity_steps)
+            if connect:
+                print(f"{phases - 1}/{phases} the steady load and a backlog again with Delta's public APIs only "
+                      "(target.delta_internals: false) ...", flush=True)
+                result.update(_public_only(server, config, spark, seconds, rate, sessions))
         if connect:  # after the classic session stopped: a process holds one kind of session at a time
             print(f"{phases}/{phases} the steady load and a backlog again on a Spark Connect session ...", flush=True)
             result.update(_on_connect(server, config, seconds, rate, sessions))
     result["ratio_catchup_to_delivery"] = result["catchup_changes_per_s"] / result["delivery_changes_per_s"]
     if connect:
         result["connect_catchup_slowdown"] = result["catchup_changes_per_s"] / result["connect_catchup_changes_per_s"]
+        result["public_catchup_slowdown"] = result["catchup_changes_per_s"] / result["public_catchup_changes_per_s"]
+        result["connect_catchup_slowdown_to_public"] = (result["public_catchup_changes_per_s"]
+                                                        / result["connect_catchup_changes_per_s"])
     result["capacity_changes_per_s"] = held
     result["ratio_capacity_to_delivery"] = held / result["delivery_changes_per_s"]
     print(f"bench e2e ({sessions} sessions, {seconds:g} s per phase, {parallel_tables} table(s) at once)")
@@ -331,6 +362,12 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
               f"{result['connect_catchup_changes_per_s']:,.0f} changes/s ({result['connect_catchup_changes']:,.0f} "
               f"changes), ratio to its delivery {result['connect_ratio_catchup_to_delivery']:.3f}x; Connect ÷ classic "
               f"catch-up {result['connect_catchup_slowdown']:.2f}x slower (goal <= 1.3x)")
+        print(f"  public Delta APIs only steady lag p50 {result['public_lag_p50_s']:.2f} s, p99 "
+              f"{result['public_lag_p99_s']:.2f} s ({result['public_lag_p99_s'] / max(result['lag_p99_s'], 1e-9):.2f}x "
+              f"classic's with its internal append); catch-up {result['public_catchup_changes_per_s']:,.0f} changes/s, "
+              f"{result['public_catchup_slowdown']:.2f}x slower; Connect ÷ this: p99 "
+              f"{result['connect_lag_p99_s'] / max(result['public_lag_p99_s'], 1e-9):.2f}x, catch-up "
+              f"{result['connect_catchup_slowdown_to_public']:.2f}x slower")
     if store is not None:
         print(f"  on the object store    lag p50 {result['store_lag_p50_s']:.2f} s, p99 {result['store_lag_p99_s']:.2f} s; "
               f"p99 on the store ÷ on the local disk {result['store_lag_p99_s'] / max(result['lag_p99_s'], 1e-9):.2f}x "
