@@ -280,7 +280,8 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
     session to run in (a test's), else a new one. ``store``: the steady load again with the warehouse
     on that object store (same server and slot, new targets). ``connect``: the steady load and a
     backlog again on a Spark Connect client of a local Connect server started for it (same server
-    and slot, new targets), beside the classic session's figures."""
+    and slot, new targets), beside the classic session's figures; before it, on the classic session,
+    the same once more with Delta's public APIs only (``_public_only``)."""
     phases = 2 + changelog + (store is not None) + (capacity_steps > 0) + 2 * connect
     with PgServer() as server:
         config = prepared(server, "bench", parallel_tables)
