@@ -280,6 +280,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args.benchmark, args)
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cdc-apply", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -382,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--megabytes", type=float, default=1024.0, help="memory: row data in the one large transaction")
     bench.add_argument("--capacity-steps", type=int, default=4,
                        help="e2e: steady rates tried, doubling from --rate, for the capacity search (0: none)")
+    bench.add_argument("--warm-ups", type=_at_least_one, default=1,
+                       help="e2e: runs of the steady load before the measured one in each new JVM, the classic "
+                            "session's and (--connect) the Connect server's (default 1)")
     bench.add_argument("--changelog", action="store_true",
                        help="e2e: the steady load and a backlog again with changelog.confirm_after: changelog, "
                             "side by side; memory: the run with confirm_after: changelog; snapshot: the tasks' copy "

@@ -37,7 +37,8 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
         with object_store(args.warehouse, args.config) as store:
             bench_e2e(seconds=args.seconds, rate=args.rate, sessions=args.sessions,
                       parallel_tables=args.parallel_tables, capacity_steps=args.capacity_steps,
-                      changelog=args.changelog, store=store, connect=args.connect)
+                      changelog=args.changelog, store=store, connect=args.connect,
+                      warm_ups=args.warm_ups)
         return 0
     if name == "memory":
         from cdc_apply.bench.memory import bench_memory

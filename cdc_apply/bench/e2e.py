@@ -183,11 +183,11 @@ def _new_targets(config: Config, warehouse: str | None = None, spark: dict[str, 
 
 
 def _again(server: PgServer, config: Config, spark: SparkSession, seconds: float, rate: float, sessions: int,
-           seed: int, warm_up: bool, delivery_slot: str) -> dict[str, float]:
-    """The steady load (after a warm-up run when ``warm_up``: a new JVM) and a backlog's catch-up
+           seed: int, warm_ups: int, delivery_slot: str) -> dict[str, float]:
+    """The steady load (after ``warm_ups`` runs of it that warm a new JVM up) and a backlog's catch-up
     again on ``config``'s targets (``_new_targets``), the backlog's delivery timed on ``delivery_slot``."""
-    if warm_up:
-        steady_follow(server, config, spark, seconds, rate, sessions, seed=seed, first=False)
+    for run in range(warm_ups):
+        steady_follow(server, config, spark, seconds, rate, sessions, seed=seed * 10 + run, first=False)
     _, steady = steady_follow(server, config, spark, seconds, rate, sessions, seed=seed + 1, first=False)
     with psycopg.connect(server.dsn, autocommit=True) as conn:
         create_slot(conn, delivery_slot)
@@ -208,12 +208,13 @@ def _public_only(server: PgServer, config: Config, spark: SparkSession, seconds:
     on Connect, so Connect ÷ this is what Connect itself costs, and this ÷ classic what the
     internal path buys (docs/spark.md, "What the internal path buys")."""
     figures = _again(server, _new_targets(config, delta_internals=False), spark, seconds, rate, sessions,
-                     seed=30, warm_up=False, delivery_slot="public_delivery")
+                     seed=30, warm_ups=0, delivery_slot="public_delivery")
     return {f"public_{key}": value for key, value in figures.items()}
 
 
-def _on_connect(server: PgServer, config: Config, seconds: float, rate: float, sessions: int) -> dict[str, float]:
-    """The steady load (a warm-up run, then the measured one) and a backlog's catch-up, as on the
+def _on_connect(server: PgServer, config: Config, seconds: float, rate: float, sessions: int,
+                warm_ups: int) -> dict[str, float]:
+    """The steady load (``warm_ups`` runs, then the measured one) and a backlog's catch-up, as on the
     classic session, with ``run --follow`` a Connect client: new targets, the same slot."""
     from cdc_apply.spark.connect_server import ConnectServer
     from cdc_apply.spark.session import build_spark_session
@@ -223,7 +224,7 @@ def _on_connect(server: PgServer, config: Config, seconds: float, rate: float, s
         client = build_spark_session(remote)
         try:
             figures = _again(server, _new_targets(config, spark=remote), client, seconds, rate, sessions,
-                             seed=20, warm_up=True, delivery_slot="connect_delivery")
+                             seed=20, warm_ups=warm_ups, delivery_slot="connect_delivery")
         finally:
             client.stop()
     return {f"connect_{key}": value for key, value in figures.items()}
@@ -274,14 +275,16 @@ def prepared(server: PgServer, slot: str, parallel_tables: int) -> Config:
 
 def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, parallel_tables: int = 4,
               capacity_steps: int = 4, changelog: bool = False, spark: SparkSession | None = None,
-              store: ObjectStore | None = None, connect: bool = False) -> dict[str, float]:
+              store: ObjectStore | None = None, connect: bool = False, warm_ups: int = 1) -> dict[str, float]:
     """``changelog``: the steady load and the backlog are run again with ``changelog.confirm_after:
     changelog`` (same server, slot and targets), and both are reported side by side. ``spark``: a
     session to run in (a test's), else a new one. ``store``: the steady load again with the warehouse
     on that object store (same server and slot, new targets). ``connect``: the steady load and a
     backlog again on a Spark Connect client of a local Connect server started for it (same server
     and slot, new targets), beside the classic session's figures; before it, on the classic session,
-    the same once more with Delta's public APIs only (``_public_only``)."""
+    the same once more with Delta's public APIs only (``_public_only``). ``warm_ups``: the steady load's
+    runs before the measured one in each new JVM, the classic session's and the Connect server's
+    (the first run's p99 is reported apart)."""
     phases = 2 + changelog + (store is not None) + (capacity_steps > 0) + 2 * connect
     with PgServer() as server:
         config = prepared(server, "bench", parallel_tables)
@@ -290,8 +293,10 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
         with session_for(spark, config.spark) as spark:
 
             print(f"1/{phases} steady load: {sessions} sessions x {rate:g} tx/s for {seconds:g} s while streaming, "
-                  f"twice: the first run warms a new JVM up, the second is measured ...", flush=True)
+                  f"{warm_ups} time(s) to warm a new JVM up, then measured ...", flush=True)
             _, cold = steady_follow(server, config, spark, seconds, rate, sessions)
+            for run in range(1, warm_ups):
+                steady_follow(server, config, spark, seconds, rate, sessions, seed=40 + run, first=False)
             steady_rate, steady = steady_follow(server, config, spark, seconds, rate, sessions, seed=3, first=False)
 
             print(f"2/{phases} backlog: unthrottled load for {seconds:g} s with the pipeline stopped ...", flush=True)
@@ -331,7 +336,7 @@ def bench_e2e(seconds: float = 30.0, rate: float = 50.0, sessions: int = 2, para
                 result.update(_public_only(server, config, spark, seconds, rate, sessions))
         if connect:  # after the classic session stopped: a process holds one kind of session at a time
             print(f"{phases}/{phases} the steady load and a backlog again on a Spark Connect session ...", flush=True)
-            result.update(_on_connect(server, config, seconds, rate, sessions))
+            result.update(_on_connect(server, config, seconds, rate, sessions, warm_ups))
     result["ratio_catchup_to_delivery"] = result["catchup_changes_per_s"] / result["delivery_changes_per_s"]
     if connect:
         result["connect_catchup_slowdown"] = result["catchup_changes_per_s"] / result["connect_catchup_changes_per_s"]
