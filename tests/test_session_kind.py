@@ -49,3 +49,16 @@ def test_the_connect_server_generates_code_unless_the_config_says_otherwise() ->
     overridden = server_command(15002, {"spark.sql.codegen.factoryMode": "NO_CODEGEN"})
     assert factory_mode(overridden) == ["spark.sql.codegen.factoryMode=NO_CODEGEN"]
     assert overridden[overridden.index("spark.connect.grpc.binding.port=15002") - 1] == "--conf"
+
+
+def test_the_codegen_cache_is_the_connect_servers_and_holds_many_sessions_classes() -> None:
+    # Generated classes are cached by class loader, one per Connect session: Spark's 100 were evicted
+    # commit after commit by four tables' sessions (docs/spark.md, "Per-command cost on the Connect server").
+    from cdc_apply.spark.connect_server import server_command
+    from cdc_apply.spark.session import connect_session_conf
+
+    assert "spark.sql.codegen.cache.maxEntries=1000" in server_command(15002)
+    assert "spark.sql.codegen.cache.maxEntries=5000" in server_command(15002, {"spark.sql.codegen.cache.maxEntries": "5000"})
+    # A static conf: the server sets it, a client session never sends it.
+    client = connect_session_conf({"spark.sql.codegen.cache.maxEntries": "5000", "spark.sql.shuffle.partitions": "8"})
+    assert "spark.sql.codegen.cache.maxEntries" not in client and client["spark.sql.shuffle.partitions"] == "8"

@@ -62,7 +62,7 @@ def new_session(spark: SparkSession) -> SparkSession:
     return created
 
 
-SERVER_SQL_CONFS = ("spark.sql.extensions", "spark.sql.catalog.", "spark.sql.warehouse.dir")
+SERVER_SQL_CONFS = ("spark.sql.extensions", "spark.sql.catalog.", "spark.sql.warehouse.dir", "spark.sql.codegen.cache.")
 
 
 def remember_url(spark: SparkSession, url: str) -> None:

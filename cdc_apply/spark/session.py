@@ -30,6 +30,12 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     # Delta rebuilds snapshots with 50 partitions by default: far too many for small batches.
     "spark.databricks.delta.snapshotPartitions": "2",
     "spark.sql.shuffle.partitions": "2",
+    # Spark keeps 100 compiled generated classes, keyed by class loader as well as code (SPARK-44795).
+    # On a Connect server every session has a class loader of its own, so four tables' sessions
+    # evicted each other's classes and their tasks compiled them again, commit after commit: about
+    # 1.3x the server's CPU per append (docs/spark.md, "Per-command cost on the Connect server").
+    # A static conf: the server's, never a client session's.
+    "spark.sql.codegen.cache.maxEntries": "1000",
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
     "spark.driver.memory": "4g",
@@ -97,7 +103,13 @@ def connect_url(overrides: Mapping[str, str] | None = None) -> str | None:
 
 # Set by the Connect server's own configuration, never by a client session (docs/spark.md).
 SERVER_DECIDES = ("spark.master", "spark.app.name", "spark.jars", "spark.sql.extensions", "spark.sql.catalog.",
+                  "spark.sql.codegen.cache.",
                   "spark.driver.", "spark.executor.", "spark.ui.", "spark.remote", "spark.hadoop.")
+
+
+def connect_session_conf(overrides: Mapping[str, str]) -> dict[str, str]:
+    """What a Connect client session sets of cdc_apply's defaults and the config's ``spark`` keys."""
+    return {key: value for key, value in {**DEFAULT_SPARK_CONF, **overrides}.items() if not key.startswith(SERVER_DECIDES)}
 
 
 def _connect_session(url: str, overrides: Mapping[str, str], register_pgoutput: bool) -> SparkSession:
@@ -106,9 +118,8 @@ def _connect_session(url: str, overrides: Mapping[str, str], register_pgoutput: 
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.remote(url)
-    for key, value in {**DEFAULT_SPARK_CONF, **overrides}.items():
-        if not key.startswith(SERVER_DECIDES):
-            builder = builder.config(key, value)
+    for key, value in connect_session_conf(overrides).items():
+        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     remember_url(spark, url)
     if register_pgoutput:
