@@ -62,3 +62,7 @@ def test_the_codegen_cache_is_the_connect_servers_and_holds_many_sessions_classe
     # A static conf: the server sets it, a client session never sends it.
     client = connect_session_conf({"spark.sql.codegen.cache.maxEntries": "5000", "spark.sql.shuffle.partitions": "8"})
     assert "spark.sql.codegen.cache.maxEntries" not in client and client["spark.sql.shuffle.partitions"] == "8"
+    # The server-owned SQL confs are one list for both kinds of Connect session (a first one, new_session's).
+    from cdc_apply.apply.session_kind import SERVER_SQL_CONFS
+
+    assert not any(key.startswith(SERVER_SQL_CONFS) for key in connect_session_conf({"spark.sql.warehouse.dir": "/w"}))

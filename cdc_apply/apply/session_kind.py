@@ -62,6 +62,8 @@ def new_session(spark: SparkSession) -> SparkSession:
     return created
 
 
+# The SQL confs a Connect server owns (static ones): never sent by a client session, here or in
+# spark/session.py's SERVER_DECIDES, which adds the server's other settings to these.
 SERVER_SQL_CONFS = ("spark.sql.extensions", "spark.sql.catalog.", "spark.sql.warehouse.dir", "spark.sql.codegen.cache.")
 
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cdc_apply.apply.session_kind import remember_url
+from cdc_apply.apply.session_kind import SERVER_SQL_CONFS, remember_url
 from cdc_apply.spark.jars import resolve_jars
 from cdc_apply.spark.jvm import driver_java_options
 
@@ -102,9 +102,8 @@ def connect_url(overrides: Mapping[str, str] | None = None) -> str | None:
 
 
 # Set by the Connect server's own configuration, never by a client session (docs/spark.md).
-SERVER_DECIDES = ("spark.master", "spark.app.name", "spark.jars", "spark.sql.extensions", "spark.sql.catalog.",
-                  "spark.sql.codegen.cache.",
-                  "spark.driver.", "spark.executor.", "spark.ui.", "spark.remote", "spark.hadoop.")
+SERVER_DECIDES = ("spark.master", "spark.app.name", "spark.jars", "spark.driver.", "spark.executor.", "spark.ui.",
+                  "spark.remote", "spark.hadoop.") + SERVER_SQL_CONFS
 
 
 def connect_session_conf(overrides: Mapping[str, str]) -> dict[str, str]:
