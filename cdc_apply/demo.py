@@ -7,6 +7,7 @@ Delta tables next to the source's row counts.
 
 from __future__ import annotations
 
+import datetime
 import sys
 import tempfile
 import time
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
+from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgserver import PgServer
 from cdc_apply.replay import print_summary
@@ -27,6 +29,7 @@ CREATE TABLE customers (id int PRIMARY KEY, name text NOT NULL, email text, note
 CREATE TABLE orders (id bigint PRIMARY KEY, customer_id int, amount numeric(12,2), placed timestamptz);
 CREATE PUBLICATION demo_pub FOR TABLE customers, orders;
 """
+TABLES = ("customers", "orders")
 EXISTING = 2  # the first statements run before the pipeline starts: the initial snapshot copies them
 WORKLOAD = [
     "INSERT INTO customers VALUES (1, 'Ada', 'ada@example.com', NULL), (2, 'Grace', 'grace@example.com', NULL)",
@@ -89,18 +92,22 @@ def run_demo(warehouse: str | None = None) -> None:
                 conn.execute(statement)
             wait_until_caught_up(server.dsn, "demo", timeout=300)
             summary = pipeline.finish()
-            source = {table: conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # type: ignore[index]
-                      for table in ("customers", "orders")}
+            source = {table: source_rows(conn, table) for table in TABLES}
 
     step(f"5/5 the Delta tables under {warehouse}:")
-    for table in ("customers", "orders"):
+    different = []
+    for table in TABLES:
         path = f"{warehouse}/public/{table}"
         frame = spark.read.format("delta").load(path).orderBy("id")
         print(f"\n== public.{table} in Delta ({path})")
         frame.show(truncate=40)
-        delta_count = frame.count()
-        print(f"   PostgreSQL has {source[table]} rows, Delta has {delta_count}: "
-              f"{'equal counts' if delta_count == source[table] else 'DIFFERENT'}")
+        columns, rows = source[table]
+        delta = [tuple(_utc(value) for value in row) for row in frame.select(*columns).collect()]
+        equal = delta == rows
+        print(f"   PostgreSQL has {len(rows)} rows, Delta has {len(delta)}: "
+              f"{'equal, value by value' if equal else 'DIFFERENT'}")
+        if not equal:
+            different.append(f"public.{table}")
     step.done()
     print("run summary:")
     for copied in summary.snapshots:
@@ -111,6 +118,22 @@ def run_demo(warehouse: str | None = None) -> None:
     print("  These are a demo's figures: a few transactions, the JVM's first MERGE and compiling included. "
           "For the pipeline's speed, see `cdc-apply bench e2e` (README, \"Speed\").")
     spark.stop()
+    if different:
+        raise CdcApplyError(f"the Delta tables {', '.join(different)} differ from PostgreSQL's under {warehouse}")
+
+
+def source_rows(conn: psycopg.Connection, table: str) -> tuple[list[str], list[tuple[object, ...]]]:
+    """A source table's column names and rows in key order, timestamps as naive UTC."""
+    cursor = conn.execute(f"SELECT * FROM {table} ORDER BY id")
+    columns = [column.name for column in cursor.description or []]
+    return columns, [tuple(_utc(value) for value in row) for row in cursor.fetchall()]
+
+
+def _utc(value: object) -> object:
+    """A timestamp as naive UTC: PostgreSQL's are aware, Spark's naive in this process's time zone."""
+    if isinstance(value, datetime.datetime):
+        return value.astimezone(datetime.timezone.utc).replace(tzinfo=None)
+    return value
 
 
 class Steps:

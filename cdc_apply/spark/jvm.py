@@ -47,15 +47,25 @@ def archive_path() -> Path:
     return cache_dir() / "jvm" / f"classes-{key}.jsa"
 
 
+def java_option(option: str) -> str:
+    """One JVM option as one word of an options string: Spark splits ``extraJavaOptions`` and
+    ``--driver-java-options`` at spaces outside double quotes, so a path with a space in it (a clone
+    under ``/root/my work``) is quoted."""
+    if not any(char.isspace() for char in option):
+        return option
+    escaped = option.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
 def driver_java_options(configured: str | None = None) -> str:
     """cdc_apply's driver options first, the config's ``spark.driver.extraJavaOptions`` after them
     (for a flag given twice the JVM takes the last). The archive is left out when the config
     manages CDS itself."""
     given = configured or ""
-    options = [f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}"]
+    options = [java_option(f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}")]
     archive = archive_path()
     if archive.exists() and not any(flag in given for flag in CDS_FLAGS):
-        options += [f"-XX:SharedArchiveFile={archive}", "-Xlog:cds=off", "-Xlog:cds+dynamic=off"]
+        options += [java_option(f"-XX:SharedArchiveFile={archive}"), "-Xlog:cds=off", "-Xlog:cds+dynamic=off"]
     if "-XX:TieredStopAtLevel" in given and "-XX:ReservedCodeCacheSize" not in given:
         # Without tiered compilation the JVM reserves 48 MB for compiled code, not 240 MB: a Spark
         # driver fills that within a minute of streaming, the compiler stops, and the JVM then
@@ -70,7 +80,7 @@ def build_class_archive() -> Path:
     target = archive_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.partial")
-    options = f"-XX:ArchiveClassesAtExit={partial} -Xlog:cds=off -Xlog:cds+dynamic=off"
+    options = f"{java_option(f'-XX:ArchiveClassesAtExit={partial}')} -Xlog:cds=off -Xlog:cds+dynamic=off"
     result = subprocess.run([sys.executable, "-m", "cdc_apply.spark.warm_up", options], capture_output=True, text=True)
     if result.returncode != 0 or not partial.exists():
         partial.unlink(missing_ok=True)
