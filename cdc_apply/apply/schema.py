@@ -127,6 +127,34 @@ def is_widening(old: str, new: str) -> bool:
     return False
 
 
+_NUMBERS = ("tinyint", *_INTEGERS, "float", "double", "boolean")
+_TIMES = ("date", "timestamp", "timestamp_ntz")
+
+
+def castable(old: str, new: str) -> bool:
+    """Whether a target column of Spark type ``old`` can be rewritten as ``new`` by Spark's cast (or,
+    for an array into text, as PostgreSQL's array literal: ``evolve._retyped``). Not: between a
+    nested type and a scalar other than text (``string`` into ``array<string>``: a copy made by
+    an older mapping), or across families (an int into a date)."""
+    if old == new or new == "string":
+        return True
+    old_array, new_array = _array_element(old), _array_element(new)
+    if old_array is not None or new_array is not None:
+        return old_array is not None and new_array is not None and castable(old_array, new_array)
+    if old.startswith(("struct<", "map<")) or new.startswith(("struct<", "map<")):
+        return False
+    numeric = lambda t: t in _NUMBERS or _DECIMAL.fullmatch(t) is not None  # noqa: E731
+    if numeric(old) and numeric(new):
+        return True
+    if old in _TIMES and new in _TIMES:
+        return True
+    return old == "string" and (numeric(new) or new in _TIMES or new == "binary")
+
+
+def _array_element(spark_type: str) -> str | None:
+    return spark_type[len("array<"):-1] if spark_type.startswith("array<") and spark_type.endswith(">") else None
+
+
 def relation_columns(relation: m.Relation, types: TypeCache) -> list[tuple[str, str]]:
     """(name, Spark type) of every column of a Relation message."""
     return [(col.name, types.for_column(relation.namespace, relation.name, col.name, col.type_oid).spark_type(col.typmod))

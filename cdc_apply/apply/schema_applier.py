@@ -15,12 +15,12 @@ from cdc_apply.apply.evolve import apply_actions
 from cdc_apply.apply.options import ApplyOptions, TableOptions
 from cdc_apply.apply.plan import MissingValueLookup, TableResult, initial_keys, later_keys, multiset
 from cdc_apply.apply.schema import (
-    BackfillTargetColumn, ColumnAdded, RenameTargetColumn, RetypeTargetColumn, SourceColumn, describe, diff,
-    initial_columns, plan, relation_columns,
+    BackfillTargetColumn, ColumnAdded, RenameTargetColumn, RetypeTargetColumn, SchemaEvent, SourceColumn, TypeChanged,
+    castable, describe, diff, initial_columns, plan, relation_columns,
 )
 from cdc_apply.apply.target_state import TargetStates
 from cdc_apply.apply.targets import SourceState, Target, metadata_columns
-from cdc_apply.changerows.codec import UnrepresentableColumnError
+from cdc_apply.changerows.codec import UnrepresentableColumnError, keep_as_text_hint
 from cdc_apply.changerows.segments import TableChanges
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn
@@ -57,8 +57,9 @@ class SchemaApplier:
         if state is not None:
             columns = [SourceColumn(c.name, "string", c.target) if c.name == exc.column else c for c in state.columns]
             switched = replace(state, columns=columns, text_columns=(*state.text_columns, exc.column))
+            data_types = target.data_types()
             retype = [RetypeTargetColumn(c.target, "string") for c in state.columns
-                      if c.name == exc.column and c.target is not None]
+                      if c.name == exc.column and c.target is not None and data_types.get(c.target) != "string"]
             apply_actions(target, retype, switched, format_lsn(lsn))
             self.target_states.forget(target)
 
@@ -123,6 +124,7 @@ class SchemaApplier:
         where = f"{segment.qualified_name} at LSN {format_lsn(position[0])}"
         data_types = target.data_types()
         text_columns = tuple(dict.fromkeys([*state.text_columns, *self.text_columns_of(segment.relation)]))
+        self._check_castable(events, segment.relation, options, where, frozenset([*options.column_types, *text_columns]))
         decided = plan(events, state.columns, current, data_types, options.schema_policy, where,
                        retyped_by_config=frozenset([*options.column_types, *text_columns]),
                        type_widening=options.type_widening)
@@ -142,6 +144,30 @@ class SchemaApplier:
         apply_actions(target, [*decided.actions, *backfills], new_state, format_lsn(position[0]))
         result.schema_changes += [describe(e) for e in events]
         return new_state, renamed
+
+    @staticmethod
+    def _check_castable(events: list[SchemaEvent], relation: m.Relation, options: TableOptions, where: str,
+                        retyped: frozenset[str]) -> None:
+        """A type change no cast can carry between the target's column and the batch's values (a target
+        copied under an older mapping: ``string`` against ``array<string>``) never reaches Spark as a
+        failed cast. Under ``evolve`` the column switches to PostgreSQL's text (``apply_table`` catches
+        the ``UnrepresentableColumnError``); under ``ignore``, whose values would be cast into the
+        target's type, a clear error naming the config key. ``fail`` refuses every type change and
+        ``lenient`` writes a new column: neither casts."""
+        for event in events:
+            if not isinstance(event, TypeChanged) or event.column in retyped:
+                continue
+            qualified = f"{relation.namespace}.{relation.name}"
+            what = (f"{where}: column {event.column!r} is {event.old_type} in the target and {event.new_type} in this "
+                    "batch")
+            if options.schema_policy == "evolve" and not castable(event.old_type, event.new_type):
+                raise UnrepresentableColumnError(qualified, event.column, f"{what}, which no cast rewrites")
+            nested = [t.startswith(("array<", "struct<", "map<")) for t in (event.old_type, event.new_type)]
+            if options.schema_policy == "ignore" and (not castable(event.new_type, event.old_type)
+                                                      or nested[0] != nested[1]):
+                raise CdcApplyError(f"{what}; schema policy 'ignore' would cast the batch's values into the "
+                                    f"target's type, which cannot hold them{keep_as_text_hint(qualified, event.column)}"
+                                    ", or set schema_policy: evolve")
 
     def _backfills(self, relation: m.Relation, added: list[ColumnAdded], targets: dict[str, str | None],
                    options: TableOptions, lsn: int) -> list[BackfillTargetColumn]:

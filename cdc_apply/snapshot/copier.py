@@ -59,6 +59,7 @@ from cdc_apply.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_dat
 from cdc_apply.progress import progress
 from cdc_apply.sink import TableSnapshot
 from cdc_apply.pgoutput import messages as m
+from cdc_apply.sources.catalog import register_column_types
 from cdc_apply.sources.slot import confirmed_flush
 from cdc_apply.sources.copy_text import CopyRows
 from cdc_apply.sources.exported_snapshot import CopyRange, ExportedSnapshot, PublishedTable, published_tables
@@ -113,6 +114,10 @@ class Snapshotter:
             estimates = {oid: int(n) for oid, n in conn.execute(
                 "SELECT oid, greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = ANY(%s)",
                 ([t.relation.oid for t in tables],)).fetchall()}
+            # The types the stream's Type messages would name, so a target made by the copy has the
+            # stream's column types (docs/types.md).
+            register_column_types(conn, self.applier.schema.types,
+                                  (c.type_oid for t in tables for c in t.relation.columns))
         if not tables:
             return []
         with ExportedSnapshot(conninfo) as snapshot:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psycopg
 
 from cdc_apply.errors import CdcApplyError
-from cdc_apply.pgtypes import lookup
+from cdc_apply.pgtypes import TypeCache, lookup
 from cdc_apply.pgtypes.user import UserType, facts_json
 
 if TYPE_CHECKING:
@@ -98,3 +99,39 @@ def read_type_facts(conn: psycopg.Connection, type_oid: int) -> str | None:
         found[oid] = user
         pending.extend([user.base, *(t for _, t in user.fields)])
     return facts_json(found.values())
+
+
+# pgoutput sends a Type message for a column type at or past this OID (PostgreSQL's FirstGenbkiObjectId):
+# the types a server makes at run time, never those of the bootstrap catalog.
+FIRST_RUNTIME_OID = 10000
+
+_BASE_TYPE_QUERY = """
+WITH RECURSIVE chain(oid, typ, depth) AS (
+    SELECT t.oid, t.oid, 0 FROM pg_type t WHERE t.oid = ANY(%s)
+    UNION ALL
+    SELECT chain.oid, t.typbasetype, chain.depth + 1 FROM chain JOIN pg_type t ON t.oid = chain.typ
+    WHERE t.typtype = 'd' AND chain.depth < 64
+)
+SELECT DISTINCT ON (chain.oid) chain.oid, CASE WHEN n.nspname = 'pg_catalog' THEN '' ELSE n.nspname END, b.typname
+FROM chain JOIN pg_type b ON b.oid = chain.typ JOIN pg_namespace n ON n.oid = b.typnamespace
+ORDER BY chain.oid, chain.depth DESC
+"""
+
+
+def type_messages(conn: psycopg.Connection, type_oids: Iterable[int]) -> list[tuple[int, str, str, str | None]]:
+    """The Type messages pgoutput sends before a Relation whose columns have ``type_oids``, as
+    ``(oid, namespace, name, facts)``: one per type made at run time, named as pgoutput names it (its
+    base type's namespace and name, a domain's base at any depth; ``''`` for ``pg_catalog``), with
+    the catalog's facts. A copy registers these in the type cache the stream's Type messages fill,
+    so a column gets one type whichever path writes its first value."""
+    wanted = sorted({oid for oid in type_oids if oid >= FIRST_RUNTIME_OID})
+    if not wanted:
+        return []
+    named = conn.execute(_BASE_TYPE_QUERY, (wanted,)).fetchall()
+    return [(oid, namespace, name, read_type_facts(conn, oid)) for oid, namespace, name in named]
+
+
+def register_column_types(conn: psycopg.Connection, types: TypeCache, type_oids: Iterable[int]) -> None:
+    """``type_messages`` added to ``types``, as the stream's Type messages add them."""
+    for oid, namespace, name, facts in type_messages(conn, type_oids):
+        types.add(oid, namespace, name, facts)

@@ -32,8 +32,8 @@ from cdc_apply.config import ConfigError
 from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn
 from cdc_apply.pgoutput import messages as m
-from cdc_apply.pgtypes import TypeCache, lookup
-from cdc_apply.sources.catalog import read_type_facts
+from cdc_apply.pgtypes import TypeCache
+from cdc_apply.sources.catalog import type_messages
 from cdc_apply.sources.exported_snapshot import published_tables
 
 IMAGES = ("key", "old", "new")
@@ -138,14 +138,8 @@ def images_from_catalog(conn: psycopg.Connection, publications: Sequence[str], t
     for published in published_tables(conn, publications):
         relation = published.relation
         if (relation.namespace, relation.name) == table:
-            custom = []
-            for column in relation.columns:
-                if lookup(column.type_oid) is None:  # a custom type: named as its Type message would name it
-                    row = conn.execute("SELECT n.nspname, t.typname FROM pg_type t JOIN pg_namespace n "
-                                       "ON n.oid = t.typnamespace WHERE t.oid = %s", (column.type_oid,)).fetchone()
-                    if row is not None:
-                        custom.append((column.type_oid, row[0], row[1], read_type_facts(conn, column.type_oid)))
-            return TableImages(relation, tuple(custom))
+            # the Type messages the stream sends before this Relation
+            return TableImages(relation, tuple(type_messages(conn, (c.type_oid for c in relation.columns))))
     raise ConfigError(f"pgoutput option table: {'.'.join(table)} is not published by publication(s) "
                       f"{', '.join(map(repr, publications))}")
 
