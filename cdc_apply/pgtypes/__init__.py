@@ -13,15 +13,16 @@ from collections.abc import Callable, Mapping
 from cdc_apply.pgtypes import datetime as _datetime  # noqa: F401 - registers its types
 from cdc_apply.pgtypes import network as _network  # noqa: F401
 from cdc_apply.pgtypes import numbers as _numbers  # noqa: F401
+from cdc_apply.pgtypes import system as _system  # noqa: F401
 from cdc_apply.pgtypes import text as _text  # noqa: F401
 from cdc_apply.pgtypes.arrays import array_type, register_array_types
 from cdc_apply.pgtypes.ranges import register_range_types
 from cdc_apply.pgtypes.registry import (
-    PgType, UnrepresentableValueError, ValueConversionError, lookup, registered,
+    PgType, UnrepresentableValueError, ValueConversionError, fixed, lookup, lookup_name, registered,
 )
+from cdc_apply.pgtypes.system import WITHOUT_BINARY_DECODER, builtin_refusal
 from cdc_apply.pgtypes.exact_text import exact_text_type
-from cdc_apply.pgtypes.text import custom_type
-from cdc_apply.pgtypes.user import parse_facts, user_type
+from cdc_apply.pgtypes.user import parse_facts, user_type, wire_described_type
 
 register_range_types()
 register_array_types()
@@ -53,21 +54,42 @@ class TypeCache:
         qualified = f"{namespace}.{name}" if namespace else name
         self.named[oid] = (namespace, name, facts)
         known = None if facts is None else user_type(oid, qualified, parse_facts(facts))
+        base = lookup_name(name) if not namespace else None
         if known is not None:
             pg_type = known
+        elif base is not None:
+            # pgoutput names a domain by its base type: one over a built-in type reads as the base's text
+            # in binary mode with no catalog facts (a capture made by another tool)
+            pg_type = _as_text(oid, qualified, base)
         elif name.startswith("_"):  # PostgreSQL names an array type after its element with a '_'
-            pg_type = array_type(oid, custom_type(0, f"{namespace}.{name[1:]}"))
+            pg_type = array_type(oid, wire_described_type(0, f"{namespace}.{name[1:]}"))
         else:
-            pg_type = custom_type(oid, qualified)
+            pg_type = wire_described_type(oid, qualified)
         self.custom[oid] = pg_type
         return pg_type
 
     def get(self, oid: int) -> PgType:
         pg_type = self.custom.get(oid) or lookup(oid)
-        if pg_type is None:
-            # Built-ins we do not map and custom types without a Type message: their text form.
-            pg_type = custom_type(oid, f"oid {oid}")
+        if pg_type is None and oid < FIRST_RUNTIME_OID:
+            # A built-in type with no decoder here: its text in text mode; its binary form refused by name.
+            name = WITHOUT_BINARY_DECODER.get(oid, f"OID {oid}")
+            pg_type = PgType(oid, name, fixed("string"), lambda text, typmod: text, builtin_refusal(oid, name))
+        elif pg_type is None:
+            # A type made at run time without a Type message (none precedes a Relation in a capture cut
+            # short): its text form.
+            pg_type = wire_described_type(oid, f"oid {oid}")
         return pg_type
+
+
+# pgoutput sends a Type message for a column type at or past this OID (PostgreSQL's FirstGenbkiObjectId):
+# the types a server makes at run time, never those of the bootstrap catalog.
+FIRST_RUNTIME_OID = 10000
+
+
+def _as_text(oid: int, qualified: str, base: PgType) -> PgType:
+    """A domain over the built-in ``base``: its values as the base type's text, in both modes."""
+    as_text = exact_text_type(base)
+    return PgType(oid, qualified, fixed("string"), lambda text, typmod: text, as_text.from_binary)
 
 
 def portable_type_cache(text_columns: frozenset[str],
@@ -80,5 +102,5 @@ def portable_type_cache(text_columns: frozenset[str],
     return types
 
 
-__all__ = ["PgType", "TypeCache", "UnrepresentableValueError", "ValueConversionError", "lookup", "portable_type_cache",
+__all__ = ["FIRST_RUNTIME_OID", "PgType", "TypeCache", "UnrepresentableValueError", "ValueConversionError", "lookup", "portable_type_cache",
            "registered"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -128,7 +128,7 @@ def binary_text(oid: int, raw: bytes, facts: Mapping[int, UserType], depth: int)
         except UnicodeDecodeError as exc:
             raise ValueConversionError(f"{user.name}: enum label is not valid UTF-8 at byte {exc.start}") from None
     if user.kind == "composite":
-        return record_text(user, raw, facts, depth)
+        return record_text(user.name, user.fields, raw, facts, depth)
     if user.kind == "array":
         return array_literal(decode_binary_array(raw, _element_type(user.base, facts, depth + 1), -1))
     # A user-defined base, range or multirange type (an extension's): read as before the facts were
@@ -136,35 +136,41 @@ def binary_text(oid: int, raw: bytes, facts: Mapping[int, UserType], depth: int)
     return custom_from_binary(raw, -1)
 
 
-def record_text(user: UserType, raw: bytes, facts: Mapping[int, UserType], depth: int) -> str:
+def record_text(type_name: str, fields: Sequence[tuple[str, int]] | None, raw: bytes,
+                facts: Mapping[int, UserType], depth: int) -> str:
     """``record_send``'s layout -> ``record_out``'s text: Int32 field count, then per field its type
-    OID, Int32 length (-1: NULL) and value; every field checked against the catalog's."""
+    OID, Int32 length (-1: NULL) and value; every field checked against the catalog's ``fields``, or,
+    with none (a capture without facts), decoded by the type OID the wire names."""
     if len(raw) < 4:
-        raise ValueConversionError(f"{user.name}: binary composite shorter than its field count")
+        raise ValueConversionError(f"{type_name}: binary composite shorter than its field count")
     (count,) = _INT32.unpack_from(raw)
-    if count != len(user.fields):
-        raise ValueConversionError(f"{user.name}: binary composite has {count} fields, the catalog gives "
-                                   f"{len(user.fields)}")
+    if fields is None:
+        if count < 0 or count > (len(raw) - 4) // _FIELD_HEADER.size:
+            raise ValueConversionError(f"{type_name}: binary composite field count {count} out of range")
+        fields = [(f"field {number}", -1) for number in range(1, count + 1)]
+    if count != len(fields):
+        raise ValueConversionError(f"{type_name}: binary composite has {count} fields, the catalog gives "
+                                   f"{len(fields)}")
     pos = 4
     parts = []
-    for name, expected_oid in user.fields:
+    for name, expected_oid in fields:
         if pos + _FIELD_HEADER.size > len(raw):
-            raise ValueConversionError(f"{user.name}.{name}: binary composite truncated at byte {pos}")
+            raise ValueConversionError(f"{type_name}.{name}: binary composite truncated at byte {pos}")
         field_oid, length = _FIELD_HEADER.unpack_from(raw, pos)
-        if field_oid != expected_oid:
-            raise ValueConversionError(f"{user.name}.{name}: binary field has type OID {field_oid}, the catalog "
+        if expected_oid != -1 and field_oid != expected_oid:
+            raise ValueConversionError(f"{type_name}.{name}: binary field has type OID {field_oid}, the catalog "
                                        f"gives {expected_oid}")
         pos += _FIELD_HEADER.size
         if length == -1:
             parts.append("")
             continue
         if length < 0 or pos + length > len(raw):
-            raise ValueConversionError(f"{user.name}.{name}: field length {length} at byte {pos - 4} runs past the "
+            raise ValueConversionError(f"{type_name}.{name}: field length {length} at byte {pos - 4} runs past the "
                                        f"{len(raw)} bytes of the value")
         parts.append(_record_quoted(binary_text(field_oid, raw[pos:pos + length], facts, depth + 1)))
         pos += length
     if pos != len(raw):
-        raise ValueConversionError(f"{user.name}: {len(raw) - pos} bytes after the last field of a binary composite")
+        raise ValueConversionError(f"{type_name}: {len(raw) - pos} bytes after the last field of a binary composite")
     return "(" + ",".join(parts) + ")"
 
 
@@ -173,3 +179,24 @@ def _record_quoted(text: str) -> str:
     if text == "" or any(c in text for c in '"\\(),' + " \t\n\r\v\f"):
         return '"' + text.replace("\\", "\\\\").replace('"', '""') + '"'
     return text
+
+
+def wire_described_type(oid: int, qualified: str) -> PgType:
+    """A type made at run time that a Type message names without the catalog's facts (a capture made
+    by another tool, or before facts were kept). Its binary values are read as far as the wire
+    describes them: an enum's value is its label; a composite's ``record_send`` names each field's
+    type, so one of built-in fields decodes. A field of a user-defined type names only its OID: that
+    needs the catalog, and the error names the OID and the remedy."""
+    def from_binary(raw: bytes, typmod: int) -> str:
+        if b"\x00" not in raw:
+            return custom_from_binary(raw, typmod)  # an enum label
+        try:
+            return record_text(qualified, None, raw, {}, 0)
+        except ValueConversionError as exc:
+            raise ValueConversionError(
+                f"{qualified}: a binary value that is neither an enum label nor a composite of built-in types "
+                f"({exc}); without the catalog's facts about the type it cannot be read: capture with "
+                "cdc-apply capture (which records them), or read the publication in text mode "
+                "(source.binary: false)") from None
+
+    return PgType(oid, qualified, fixed("string"), lambda text, typmod: text, from_binary)

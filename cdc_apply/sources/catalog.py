@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from cdc_apply.errors import CdcApplyError
-from cdc_apply.pgtypes import TypeCache, lookup
+from cdc_apply.pgtypes import FIRST_RUNTIME_OID, TypeCache, lookup
 from cdc_apply.pgtypes.user import UserType, facts_json
 
 if TYPE_CHECKING:
@@ -100,10 +100,6 @@ def read_type_facts(conn: psycopg.Connection, type_oid: int) -> str | None:
         pending.extend([user.base, *(t for _, t in user.fields)])
     return facts_json(found.values())
 
-
-# pgoutput sends a Type message for a column type at or past this OID (PostgreSQL's FirstGenbkiObjectId):
-# the types a server makes at run time, never those of the bootstrap catalog.
-FIRST_RUNTIME_OID = 10000
 
 _BASE_TYPE_QUERY = """
 WITH RECURSIVE chain(oid, typ, depth) AS (
