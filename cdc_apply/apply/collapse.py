@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,36 @@ from cdc_apply.errors import CdcApplyError
 from cdc_apply.lsn import format_lsn
 
 Key = tuple[Any, ...]
+
+
+class FrozenList(tuple):  # type: ignore[type-arg]
+    """An array value inside a key (a whole-row key of a table with an array or composite column):
+    hashable; ``thaw`` gives the list back wherever a key's values leave the collapse."""
+
+
+class FrozenStruct(tuple):  # type: ignore[type-arg]
+    """A struct value (an interval) inside a key, as its (name, value) items."""
+
+
+def freeze(value: Any) -> Any:
+    if isinstance(value, list):
+        return FrozenList(freeze(v) for v in value)
+    if isinstance(value, dict):
+        return FrozenStruct((k, freeze(v)) for k, v in value.items())
+    return value
+
+
+def thaw(value: Any) -> Any:
+    if isinstance(value, FrozenList):
+        return [thaw(v) for v in value]
+    if isinstance(value, FrozenStruct):
+        return {k: thaw(v) for k, v in value}
+    return value
+
+
+def key_image(columns: Sequence[str], key: Key) -> dict[str, Any]:
+    """A key's values by column, as the change rows hold them."""
+    return {column: thaw(value) for column, value in zip(columns, key)}
 ColumnValues = dict[str, Any]
 
 
@@ -233,7 +263,7 @@ class Collapser:
 
     def _key(self, image: ColumnValues | None, row: Mapping[str, Any], which: str) -> Key:
         try:
-            return tuple(image[k] for k in self._key_columns)  # type: ignore[index]
+            return tuple(freeze(image[k]) for k in self._key_columns)  # type: ignore[index]
         except (KeyError, TypeError):
             raise CdcApplyError(
                 f"{self.table}, LSN {format_lsn(row['commit_lsn'])} (transaction {row['xid']}, change "
@@ -241,7 +271,7 @@ class Collapser:
                 "keys set in the config must be replica identity columns") from None
 
     def _key_image(self, key: Key) -> ColumnValues:
-        return dict(zip(self._key_columns, key))
+        return key_image(self._key_columns, key)
 
 
 class MultisetCollapser(Collapser):
@@ -264,7 +294,7 @@ class MultisetCollapser(Collapser):
         if op in ("U", "D"):
             key = self._key(old, row, "old")
             counts[key] = counts.get(key, 0) - 1
-            self._set(key, KeyState(True, dict(zip(self._key_columns, key)), lsn, ts))
+            self._set(key, KeyState(True, key_image(self._key_columns, key), lsn, ts))
         if op in ("I", "U"):
             new = _renamed(row["new"], column_map) or {}
             for name in (n for n in (_rename(c, column_map) for c in row["unchanged"]) if n):

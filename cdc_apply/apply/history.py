@@ -19,7 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from cdc_apply.apply.collapse import ColumnValues, Collapser, Key, KeyState, TruncateMark
+from cdc_apply.apply.collapse import ColumnValues, Collapser, Key, KeyState, TruncateMark, key_image
 from cdc_apply.apply.merge import OP, arrow_column, fetch_target_rows, typed_frame
 from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.staging import staging_scope
@@ -118,7 +118,7 @@ def merge_history(target: Target, collapser: HistoryCollapser, data_types: Mappi
     closes = [(key, timeline.close_target_at) for key, timeline in collapser.timelines.items()]
     columns: dict[str, list[Any]] = {name: [] for name in data_types}
     for key, _ in closes:
-        image = dict(zip(keys, key))
+        image = key_image(keys, key)
         for name, column in columns.items():
             column.append(image.get(name))
     for item in found:

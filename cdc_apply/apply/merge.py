@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from cdc_apply.apply.collapse import Collapsed, Key
+from cdc_apply.apply.collapse import Collapsed, Key, freeze, key_image, thaw
 from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.staging import NO_STAGING, Staging, staging_scope
 from cdc_apply.apply.columnar import CollapsedColumns
@@ -43,7 +43,16 @@ def fetch_target_rows(target: Target, keys: Sequence[str], wanted: Iterable[Key]
     with staging_scope():
         probe, on = _key_probe(target, table, wanted, keys, target.data_types())
         found = table.join(probe, on=on, how="left_semi").collect()
-    return {tuple(row[k] for k in keys): row.asDict() for row in found}
+    return {tuple(freeze(_plain(row[k])) for k in keys): row.asDict() for row in found}
+
+
+def _plain(value: Any) -> Any:
+    """A value Spark read (``Row`` for a struct) as the change rows hold it (a dict)."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if hasattr(value, "asDict"):
+        return {k: _plain(v) for k, v in value.asDict().items()}
+    return value
 
 
 def _key_probe(target: Target, table: DataFrame, wanted: list[Key], keys: Sequence[str],
@@ -52,7 +61,7 @@ def _key_probe(target: Target, table: DataFrame, wanted: list[Key], keys: Sequen
     condition that finds their rows in ``table``: a join, where a filter of one term per key would
     nest too deep for Spark's analyzer (a StackOverflowError at some hundreds of keys)."""
     probe_types = {f"_cdc_k{i}": data_types[name] for i, name in enumerate(keys)}
-    arrays = {f"_cdc_k{i}": arrow_column(name, [key[i] for key in wanted], data_types[name])
+    arrays = {f"_cdc_k{i}": arrow_column(name, [thaw(key[i]) for key in wanted], data_types[name])
               for i, name in enumerate(keys)}
     arrays["_cdc_i"] = pa.array(range(len(wanted)), pa.int64())
     probe = typed_frame(target.spark, arrays, probe_types, target.staging)
@@ -211,7 +220,7 @@ def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[st
 
     def copies(key: Key, number: int) -> None:
         state = states[key]
-        values = dict(zip(keys, key)) | {k: v for k, v in state.values.items() if k not in keys}
+        values = key_image(keys, key) | {k: v for k, v in state.values.items() if k not in keys}
         entries.extend([(values, "U", state.commit_lsn, state.commit_ts)] * number)
 
     where = f"{target.location} (LSN {format_lsn(collapsed.first_lsn or 0)}..{format_lsn(collapsed.last_lsn or 0)})"
@@ -234,7 +243,7 @@ def _write_multiset(target: Target, collapsed: Collapsed, data_types: Mapping[st
                                 f"{current.get(key, 0)} time(s); the target is out of step (copy it again)")
         copies(key, remaining)
         state = states[key]
-        entries.append((dict(zip(keys, key)), "D", state.commit_lsn, state.commit_ts))
+        entries.append((key_image(keys, key), "D", state.commit_lsn, state.commit_ts))
     source = _entries_frame(target, entries, data_types)
     if not removing:
         _append(target, commit, source.drop(OP))
