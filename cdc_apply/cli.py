@@ -411,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(crash: the drill's warehouse there instead): "
                             "a URI (s3a://bucket/path, reached with the spark: section of --config or the AWS default "
                             "chain), or local-s3 (a versitygw server the bench starts on this machine)")
+    bench.add_argument("--report", default=None, metavar="FILE",
+                       help="write the figures as a JSON report (the arguments, the goals, the machine, the date, "
+                            "the commit; docs/benchmarks.md)")
     bench.add_argument("--config", default=None,
                        help="snapshot, e2e, crash: a config whose spark: section reaches --warehouse")
     return parser

@@ -264,14 +264,14 @@ class SnapshotConfig(_Strict):
 
 
 class ChangelogConfig(_Strict):
-    """The change log: every batch's change rows in one Delta table (docs/changelog.md)."""
+    """The change log: every batch's change rows in one Delta table (docs/change-log-table.md)."""
 
     enabled: bool = False
     path: str | None = None  # None: <target.warehouse>/_cdc_apply/changelog
     name: str | None = None  # a catalog table (schema.table) instead of a path
     # targets: the slot is confirmed once the targets hold a batch (the log is written first).
     # changelog: once the log's commit is durable; the targets follow from the log in the same
-    # process (docs/changelog.md, "Choosing confirm_after").
+    # process (docs/change-log-table.md, "Choosing confirm_after").
     confirm_after: Literal["targets", "changelog"] = "targets"
     # confirm_after: changelog only. in_process: the run's own thread brings the targets up from the log.
     # separate: cdc-apply follow-changelog does (a Structured Streaming query over the log); the run

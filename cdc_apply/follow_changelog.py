@@ -1,5 +1,5 @@
 """``cdc-apply follow-changelog``: the targets kept current from the change log by a Structured
-Streaming query, ``readStream.format("delta")`` on the log -> ``foreachBatch`` (docs/changelog.md,
+Streaming query, ``readStream.format("delta")`` on the log -> ``foreachBatch`` (docs/change-log-table.md,
 "The targets as a separate job"). This is the bronze -> silver pipeline run by Spark: the ``run``
 process (``changelog.targets: separate``) only copies new tables and appends to the log, and
 confirms the slot at the log's commit.

@@ -5,6 +5,8 @@ The verbs that need Spark run in this process on the shared session, as ``bench 
 
 from __future__ import annotations
 
+import json
+
 import re
 
 import pytest
@@ -24,9 +26,17 @@ def _ratio(output: str, label: str) -> float:
 
 
 @pytest.mark.pg
-def test_bench_decode_reports_its_ratio_to_walsender_delivery() -> None:
-    run = _cli("bench", "decode", "--messages", "3000", "--rounds", "1")
+def test_bench_decode_reports_its_ratio_to_walsender_delivery(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    report = tmp_path / "decode.json"
+    run = _cli("bench", "decode", "--messages", "3000", "--rounds", "1", "--report", str(report))
     assert run.returncode == 0, run.stderr[-3000:]
+    # The JSON report: the arguments, every figure, the goals, the machine, the date and the commit.
+    written = json.loads(report.read_text())
+    assert written["bench"] == "decode" and written["arguments"] == {"messages": 3000, "binary": False, "rounds": 1,
+                                                                     "load": False}
+    assert written["figures"]["ratio_change_rows_to_delivery"] > 0 and written["figures"]["messages"] > 2000
+    assert written["goals"] == {"ratio_change_rows_to_delivery": ">= 1.0"}
+    assert written["machine"]["cores"] >= 1 and written["date"].startswith("20") and written["commit"]
     assert _ratio(run.stdout, "decode \\+ assemble") > 0
     assert _ratio(run.stdout, "change rows as Arrow") > 0 and _ratio(run.stdout, "rows as Python values") > 0
     assert _ratio(run.stdout, "the same, a backlog.s batches") > 0

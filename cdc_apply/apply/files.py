@@ -4,7 +4,7 @@ Two writers use it: the initial copy's Spark tasks (``snapshot/pgcopy.py``) and 
 append on the driver (``changelog/log.py``). Both write with pyarrow into the table's directory and
 hand the files to a ``targets.FileAppend``, which makes them part of the table in one commit.
 Spark's Arrow hand-over and the JVM's Parquet writer cost about as much again as producing the
-rows (docs/live.md, "Who writes the files"; docs/changelog.md, "Who writes the files").
+rows (docs/live.md, "Who writes the files"; docs/change-log-table.md, "Who writes the files").
 """
 
 from __future__ import annotations

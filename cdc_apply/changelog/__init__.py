@@ -1,4 +1,4 @@
-"""The change log (docs/changelog.md): what the pipeline writes to it and reads from it
+"""The change log (docs/change-log-table.md): what the pipeline writes to it and reads from it
 (``log.py``: ``ChangeLog``), its files (``log_files.py``), the targets brought up from it
 (``applier.py``), and a large transaction's collapse on Spark's executors (``log_collapse.py``).
 ``cdc-apply follow-changelog``, a runner, is ``cdc_apply/follow_changelog.py``.

@@ -1,5 +1,5 @@
 """Targets brought up to date from the change log: ``changelog.confirm_after: changelog`` and
-``cdc-apply replay --changelog`` (docs/changelog.md).
+``cdc-apply replay --changelog`` (docs/change-log-table.md).
 
 The log's rows are read in windows of whole transactions, turned back into transactions as
 ``foreach_batch`` turns a micro-batch (``spark.foreach.micro_batch_changes``: the Relation in force

@@ -1,6 +1,6 @@
 """The targets brought up from the change log on a thread of their own, beside the stream that
 appends to it (``changelog.confirm_after: changelog`` with ``targets: in_process``): the
-``TargetFollower`` and when it yields to a backlog (docs/changelog.md).
+``TargetFollower`` and when it yields to a backlog (docs/change-log-table.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The change log: every batch's change rows in one Delta table, beside the targets (docs/changelog.md).
+"""The change log: every batch's change rows in one Delta table, beside the targets (docs/change-log-table.md).
 
 The rows are the ``pgoutput`` data source's (``spark/rows.py``): the change-row columns, the
 ``key``/``old``/``new`` images as maps of PostgreSQL's text, ``_cdc_change`` (the change's message

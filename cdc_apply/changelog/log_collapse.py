@@ -1,5 +1,5 @@
 """The collapse on Spark's executors: one table's rows of the change log -> the MERGE source, with no
-row on the driver (docs/changelog.md, "Large transactions on the executors").
+row on the driver (docs/change-log-table.md, "Large transactions on the executors").
 
 A window over (key, commit LSN, seq), run by the collapse every other path uses:
 

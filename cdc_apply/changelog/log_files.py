@@ -1,4 +1,4 @@
-"""The change log's Parquet files (docs/changelog.md): how one is written, and an initial copy's rows
+"""The change log's Parquet files (docs/change-log-table.md): how one is written, and an initial copy's rows
 in the log's layout, which the copy's writers (Spark's tasks, or the driver) put in such files.
 
 A copy (or resync) of a table writes its rows to the log as well as to the target, so that a rebuild
