@@ -189,6 +189,9 @@ class TableConfig(_Strict):
     properties: dict[str, ConfText] = {}
     name: str | None = None  # catalog.schema.table instead of a path under the warehouse
     columns: dict[str, ColumnConfig] = {}
+    # A MERGE's condition names the batch's keys on the target too, so it reads only the rows (and
+    # files) they can be in (apply/key_filter.py); false: the key equality alone.
+    key_filter: bool = True
 
 
 class TargetConfig(_Strict):

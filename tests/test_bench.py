@@ -66,6 +66,8 @@ def test_bench_apply_reports_merge_against_append(spark, capsys) -> None:  # typ
     assert re.search(r"from a cached DataFrame: [0-9.]+ s; ratio MERGE apply / that: [0-9.]+x", output)
     assert re.search(r"row-by-row collapse of the same changes to its MERGE source: [0-9.]+ s", output)
     assert re.search(r"the public path's checked append [0-9.]+ s \([0-9.]+x Delta's internal unchecked one\)", output)
+    assert re.search(r"a MERGE's median with the key filter [0-9.]+ s, without [0-9.]+ s \([0-9.]+x\)", output), \
+        output[-3000:]
 
 
 @pytest.mark.spark

@@ -22,6 +22,7 @@ from cdc_apply.apply.collapse import Collapsed, Key, freeze, key_image, thaw
 from cdc_apply.apply.sessionconf import DataCommit
 from cdc_apply.apply.staging import NO_STAGING, Staging, staging_scope
 from cdc_apply.apply.columnar import CollapsedColumns
+from cdc_apply.apply.key_filter import key_filter
 from cdc_apply.apply.options import COMMIT_LSN, COMMIT_TS, DELETED, KEEP, OP, TableOptions
 from cdc_apply.apply.targets import Target, quote, sql_string
 from cdc_apply.errors import CdcApplyError
@@ -167,11 +168,13 @@ def _merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[s
                      options: TableOptions, commit: DataCommit, append: bool, columnar: CollapsedColumns | None,
                      frame: DataFrame | None) -> None:
     spark = target.spark
+    key_values: Mapping[str, Iterable[Any]] = {}
     if frame is not None:
         source, kept = frame, frozenset(name for name in data_types if name not in keys)
     elif columnar is not None:
         source = typed_frame(spark, columnar.columns, data_types, target.staging)
         kept = columnar.kept
+        key_values = {key: columnar.columns[key].to_pylist() for key in keys if key in columnar.columns}
     elif collapsed.multiplicity is not None:
         _write_multiset(target, collapsed, data_types, keys, commit)
         return
@@ -181,11 +184,16 @@ def _merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[s
         source = source_frame(spark, collapsed, data_types, target.staging)
         kept = frozenset(name for state in collapsed.states.values() if not state.deleted
                          for name in (*state.from_target, *(n for n in data_types if n not in state.values)))
+        if tuple(collapsed.key_columns) == tuple(keys):
+            key_values = {key: [state_key[i] for state_key in collapsed.states] for i, key in enumerate(keys)}
     if not keys or append:
         _append(target, commit, new_rows(source, options), overwrite=collapsed.truncate is not None)
         return
+    # A truncate deletes every row the batch does not hold: that MERGE reads the whole table anyway.
+    where = None if collapsed.truncate is not None or not options.key_filter else \
+        key_filter(keys, data_types, key_values)
     with commit.checked(spark):
-        _merge(target, source, collapsed, data_types, keys, options, kept)
+        _merge(target, source, collapsed, data_types, keys, options, kept, where)
 
 
 def _append(target: Target, commit: DataCommit, rows: DataFrame, overwrite: bool = False) -> None:
@@ -279,10 +287,11 @@ def _target_counts(target: Target, wanted: list[Key], keys: Sequence[str],
 
 
 def _merge(target: Target, source: DataFrame, collapsed: Collapsed, data_types: Mapping[str, str],
-           keys: Sequence[str], options: TableOptions, kept: frozenset[str]) -> None:
-    """``kept``: the columns some upsert leaves as the target holds them (named in its ``_cdc_keep``)."""
+           keys: Sequence[str], options: TableOptions, kept: frozenset[str], where: str | None) -> None:
+    """``kept``: the columns some upsert leaves as the target holds them (named in its ``_cdc_keep``);
+    ``where``: the key filter on the target (``apply/key_filter.py``)."""
     soft = options.delete_mode == "soft"
-    condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys)
+    condition = " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys) + (f" AND {where}" if where else "")
     updates: dict[str, str] = {}
     for name in data_types:
         value = f"s.{quote(name)}"

@@ -58,6 +58,7 @@ class TableOptions:
     properties: Mapping[str, str] = field(default_factory=dict)
     name: str | None = None  # a metastore name (catalog.schema.table) instead of a path
     column_types: Mapping[str, str] = field(default_factory=dict)  # source column -> "string" (its exact text)
+    key_filter: bool = True  # a MERGE reads only the rows its keys can be in (apply/key_filter.py)
 
     def keeps_column(self, column: str) -> bool:
         if column in self.columns_exclude:
@@ -139,7 +140,7 @@ def table_options(table: TableConfig) -> TableOptions:
         columns_include=tuple(table.columns_include) if table.columns_include is not None else None,
         columns_exclude=tuple(table.columns_exclude), partition_by=tuple(table.partition_by),
         properties=dict(table.properties), name=table.name,
-        column_types={name: column.type for name, column in table.columns.items()})
+        column_types={name: column.type for name, column in table.columns.items()}, key_filter=table.key_filter)
 
 
 def apply_options(config: Config) -> ApplyOptions:

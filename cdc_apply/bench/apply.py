@@ -164,6 +164,7 @@ def _measure(spark: SparkSession, rows: int, changes: int, per_transaction_slice
     folder = tempfile.mkdtemp(prefix="cdc_apply_bench_apply_")
     staging = pipeline_staging(PipelineState.at(folder, "bench"), DEFAULT_STAGING_ROWS)
     options = TableOptions()
+    unfiltered = TableOptions(key_filter=False)  # the MERGE condition without the key filter, side by side
     try:
         def fresh_target(name: str) -> Target:
             target = Target(spark, f"{folder}/{name}", by_name=False, staging=staging)
@@ -187,9 +188,10 @@ def _measure(spark: SparkSession, rows: int, changes: int, per_transaction_slice
          .write.format("delta").mode("append").save(target.location))
         print(f"  built in {time.perf_counter() - started:.1f} s", flush=True)
 
-        def merge(target: Target, changes: pa.Table, app_id: str, version: int) -> None:
-            merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",), options,
-                            DataCommit(app_id, version, "{}"), columnar=_collapsed(changes))
+        def merge(target: Target, changes: pa.Table, app_id: str, version: int, key_filter: bool = True) -> None:
+            merge_collapsed(target, Collapsed(("id",)), dict(COLUMNS), ("id",),
+                            options if key_filter else unfiltered, DataCommit(app_id, version, "{}"),
+                            columnar=_collapsed(changes))
 
         warm = fresh_target("warmup")  # the first MERGE in a JVM pays a large warm-up: not timed
         merge(warm, arrow_changes(generate_changes(1000, 300)), "bench/warmup", 1)
@@ -227,13 +229,18 @@ def _measure(spark: SparkSession, rows: int, changes: int, per_transaction_slice
         cached_append_s = time.perf_counter() - started
         cached.unpersist()
 
+        # One MERGE per 100-change transaction, taking turns with the key filter on (the default) and off
+        # (docs/apply.md, "What a MERGE reads"): the cost a small batch pays for the table's size.
         slice_rows = change_table.slice(0, per_transaction_slice)
-        started = time.perf_counter()
         transactions = 0
+        per_txn: dict[bool, list[float]] = {True: [], False: []}
         for start in range(0, slice_rows.num_rows, 100):
             transactions += 1
-            merge(target, slice_rows.slice(start, 100), "bench/per-transaction", 10 + transactions)
-        per_txn_s = time.perf_counter() - started
+            filtered = transactions % 2 == 1
+            started = time.perf_counter()
+            merge(target, slice_rows.slice(start, 100), "bench/per-transaction", 10 + transactions, filtered)
+            per_txn[filtered].append(time.perf_counter() - started)
+        per_txn_s = sum(per_txn[True]) + sum(per_txn[False])
 
         # The row-by-row collapse of the same changes, to its MERGE source (not merged again).
         started = time.perf_counter()
@@ -266,6 +273,8 @@ def _measure(spark: SparkSession, rows: int, changes: int, per_transaction_slice
         return {"collapse_s": collapse_s, "merge_s": merge_s, "merge_apply_s": collapse_s + merge_s,
                 "keys": collapsed.keys_written, "append_s": append_s, "append_sent_s": append_sent_s, "cached_append_s": cached_append_s,
                 "row_by_row_s": row_by_row_s, "per_txn_s": per_txn_s, "per_txn_changes": slice_rows.num_rows,
+                "per_txn_filtered_median_s": statistics.median(per_txn[True]),
+                "per_txn_unfiltered_median_s": statistics.median(per_txn[False] or per_txn[True]),
                 "transactions": transactions, "new_rows_merge_s": medians["merge"],
                 "new_rows_append_s": medians.get("append", medians["append-public"]),
                 "new_rows_public_s": medians["append-public"], "internal_append": float("append" in medians),
@@ -294,7 +303,9 @@ def _print(r: dict[str, float], rows: int, changes: int, per_transaction_slice: 
           f"({r['row_by_row_s'] / r['collapse_s']:.1f}x the columnar collapse)")
     print(f"  one MERGE per 100-row transaction ({int(r['transactions'])} transactions, "
           f"{int(r['per_txn_changes']):,} changes): {r['per_txn_s']:.1f} s = {per_change_txn * 1e3:.2f} ms/change, "
-          f"{per_change_txn / (total / changes):,.0f}x slower per change than batched")
+          f"{per_change_txn / (total / changes):,.0f}x slower per change than batched; a MERGE's median with "
+          f"the key filter {r['per_txn_filtered_median_s']:.2f} s, without {r['per_txn_unfiltered_median_s']:.2f} s "
+          f"({r['per_txn_unfiltered_median_s'] / r['per_txn_filtered_median_s']:.2f}x)")
     print(f"  a batch of {insert_batch:,} new rows (median of {insert_rounds}): MERGE {r['new_rows_merge_s']:.2f} s, "
           f"append {r['new_rows_append_s']:.2f} s: the append is {r['new_rows_merge_s'] / r['new_rows_append_s']:.1f}x "
           f"faster; the public path's checked append {r['new_rows_public_s']:.2f} s "
