@@ -156,6 +156,9 @@ def bench_apply(rows: int, changes: int, per_transaction_slice: int, insert_batc
     return {**classic, **{f"connect_{key}": value for key, value in on_connect.items()}}
 
 
+ROWS_PER_FILE = 250_000  # the bench target's file size, about what a copied range of pages holds
+
+
 def _measure(spark: SparkSession, rows: int, changes: int, per_transaction_slice: int, insert_batch: int,
              insert_rounds: int) -> dict[str, float]:
     from cdc_apply.apply.session_kind import is_connect
@@ -185,6 +188,8 @@ def _measure(spark: SparkSession, rows: int, changes: int, per_transaction_slice
             "id", "cast(id % 97 as int) AS account", "cast((id % 100000) / 100 as decimal(12,2)) AS amount",
             "concat('note ', id) AS note", f"timestamp_micros({BASE_TS} + id) AS created", "id % 2 = 0 AS flag",
             "cast(id / 7.0 AS double) AS score", "0L AS _cdc_commit_lsn", f"timestamp_micros({BASE_TS}) AS _cdc_commit_ts")
+         # laid out as the initial copy lays a table out: files of key ranges (a range of pages each)
+         .repartitionByRange(max(1, rows // ROWS_PER_FILE), "id")
          .write.format("delta").mode("append").save(target.location))
         print(f"  built in {time.perf_counter() - started:.1f} s", flush=True)
 
