@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from cdc_apply.apply.collapse import Collapsed, Key, freeze, key_image, thaw
 from cdc_apply.apply.sessionconf import DataCommit
@@ -174,7 +175,7 @@ def _merge_collapsed(target: Target, collapsed: Collapsed, data_types: Mapping[s
     elif columnar is not None:
         source = typed_frame(spark, columnar.columns, data_types, target.staging)
         kept = columnar.kept
-        key_values = {key: columnar.columns[key].to_pylist() for key in keys if key in columnar.columns}
+        key_values = {key: pc.unique(columnar.columns[key]).to_pylist() for key in keys if key in columnar.columns}
     elif collapsed.multiplicity is not None:
         _write_multiset(target, collapsed, data_types, keys, commit)
         return

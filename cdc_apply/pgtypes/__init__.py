@@ -8,6 +8,7 @@ facts about them where known (``pgtypes/user.py``), which binary mode needs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 from cdc_apply.pgtypes import datetime as _datetime  # noqa: F401 - registers its types
@@ -18,9 +19,9 @@ from cdc_apply.pgtypes import text as _text  # noqa: F401
 from cdc_apply.pgtypes.arrays import array_type, register_array_types
 from cdc_apply.pgtypes.ranges import register_range_types
 from cdc_apply.pgtypes.registry import (
-    PgType, UnrepresentableValueError, ValueConversionError, fixed, lookup, lookup_name, registered,
+    PgType, UnrepresentableValueError, ValueConversionError, lookup, lookup_name, registered,
 )
-from cdc_apply.pgtypes.system import WITHOUT_BINARY_DECODER, builtin_refusal
+from cdc_apply.pgtypes.system import undecoded_builtin
 from cdc_apply.pgtypes.exact_text import exact_text_type
 from cdc_apply.pgtypes.user import parse_facts, user_type, wire_described_type
 
@@ -60,7 +61,7 @@ class TypeCache:
         elif base is not None:
             # pgoutput names a domain by its base type: one over a built-in type reads as the base's text
             # in binary mode with no catalog facts (a capture made by another tool)
-            pg_type = _as_text(oid, qualified, base)
+            pg_type = dataclasses.replace(exact_text_type(base), oid=oid, name=qualified)
         elif name.startswith("_"):  # PostgreSQL names an array type after its element with a '_'
             pg_type = array_type(oid, wire_described_type(0, f"{namespace}.{name[1:]}"))
         else:
@@ -71,9 +72,7 @@ class TypeCache:
     def get(self, oid: int) -> PgType:
         pg_type = self.custom.get(oid) or lookup(oid)
         if pg_type is None and oid < FIRST_RUNTIME_OID:
-            # A built-in type with no decoder here: its text in text mode; its binary form refused by name.
-            name = WITHOUT_BINARY_DECODER.get(oid, f"OID {oid}")
-            pg_type = PgType(oid, name, fixed("string"), lambda text, typmod: text, builtin_refusal(oid, name))
+            pg_type = undecoded_builtin(oid)
         elif pg_type is None:
             # A type made at run time without a Type message (none precedes a Relation in a capture cut
             # short): its text form.
@@ -86,12 +85,6 @@ class TypeCache:
 FIRST_RUNTIME_OID = 10000
 
 
-def _as_text(oid: int, qualified: str, base: PgType) -> PgType:
-    """A domain over the built-in ``base``: its values as the base type's text, in both modes."""
-    as_text = exact_text_type(base)
-    return PgType(oid, qualified, fixed("string"), lambda text, typmod: text, as_text.from_binary)
-
-
 def portable_type_cache(text_columns: frozenset[str],
                         custom_types: Mapping[int, tuple[str, str, str | None]]) -> TypeCache:
     """A copy of one table's type cache in a Spark task (a cache holds converters that do not pickle):
@@ -102,5 +95,5 @@ def portable_type_cache(text_columns: frozenset[str],
     return types
 
 
-__all__ = ["FIRST_RUNTIME_OID", "PgType", "TypeCache", "UnrepresentableValueError", "ValueConversionError", "lookup", "portable_type_cache",
-           "registered"]
+__all__ = ["FIRST_RUNTIME_OID", "PgType", "TypeCache", "UnrepresentableValueError", "ValueConversionError", "lookup",
+           "portable_type_cache", "registered"]

@@ -49,7 +49,7 @@ register(PgType(27, "tid", fixed("string"), _text, _tid_binary, array_oid=1010))
 # of them: geometric types (float8out's formatting of each coordinate), text search and jsonpath
 # (encodings of their own), reg* (an OID whose text is a catalog name), snapshots, the system
 # catalogs' row types and catalog-internal types. A binary value of one is refused by name
-# (``builtin_refusal``); text mode reads them all as PostgreSQL's text. Read from ``pg_type`` of
+# (``undecoded_builtin``); text mode reads them all as PostgreSQL's text. Read from ``pg_type`` of
 # PostgreSQL 15 and 18; a test compares it with the live server's.
 WITHOUT_BINARY_DECODER = {
     22: "int2vector", 24: "regproc", 30: "oidvector", 71: "pg_type", 75: "pg_attribute", 81: "pg_proc",
@@ -69,11 +69,13 @@ WITHOUT_BINARY_DECODER = {
 }
 
 
-def builtin_refusal(oid: int, name: str):  # type: ignore[no-untyped-def]
-    """The binary converter of a built-in type without a decoder: an error naming the type and the
-    remedy. The caller adds the column, the table and the LSN."""
+def undecoded_builtin(oid: int) -> PgType:
+    """A built-in type without a decoder here: its text in text mode; a binary value an error naming
+    the type and the remedy (the caller adds the column, the table and the LSN)."""
+    name = WITHOUT_BINARY_DECODER.get(oid, f"OID {oid}")
+
     def refuse(raw: bytes, typmod: int) -> str:
         raise ValueConversionError(f"type {name} (OID {oid}) is built in, but cdc_apply has no decoder for its "
                                    "binary form: read the publication in text mode (source.binary: false)")
 
-    return refuse
+    return PgType(oid, name, fixed("string"), _text, refuse)
