@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+import pyarrow as pa
 import pytest
+from deltalake import DeltaTable
 
 from cdc_apply.apply.key_filter import IN_LIST_MAX, key_filter
 
@@ -65,6 +67,9 @@ def test_a_merge_reads_with_the_filter_and_writes_what_the_batch_says(db18, spar
         got = sorted(tuple(row) for row in spark.read.format("delta").load(location)
                      .drop("_cdc_commit_lsn", "_cdc_commit_ts").collect())
         assert got == truth[table], table
+        by_delta_rs = pa.RecordBatchReader.from_stream(DeltaTable(location).scan()).read_all() \
+            .drop_columns(["_cdc_commit_lsn", "_cdc_commit_ts"])
+        assert sorted(tuple(row.values()) for row in by_delta_rs.to_pylist()) == truth[table], table
     # Delta records the analysed condition: "... AND id#12 IN (5,7,1500,1999,3000)"
     assert "IN (5,7,1500,1999,3000)" in predicates["t"], predicates
     assert "IN (k1,k3)" in predicates["c"] and "IN (3,400)" in predicates["c"], predicates
